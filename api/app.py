@@ -1,0 +1,51 @@
+"""The FastAPI application: one `ResponseService` per process, opened in the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import ORJSONResponse
+
+from api import errors
+from api.auth import Keys
+from api.routes import router
+from worker.service import ResponseService
+from worker.settings import Settings
+
+log = logging.getLogger("respool.api")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app; nothing connects until the lifespan starts (STYLE.md boundary 3)."""
+    settings = settings or Settings()
+    keys = Keys(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if keys.is_open:
+            log.warning(
+                "NO AUTHENTICATION: RESPOOL_API_KEYS is not set, so anyone who can reach this port "
+                "can use it, and every response has the same owner. Set RESPOOL_API_KEYS to turn auth on."
+            )
+        service = ResponseService.open(settings)
+        await service.start()
+        app.state.service = service
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app.state.keys = keys
+    errors.install(app)
+    app.include_router(router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """The process is alive."""
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,122 @@
+"""The `respool` command: `up` (everything on one machine), `migrate`, `api`, `worker`.
+
+Every option is also an env var (`RESPOOL_…`); a flag given on the command line wins. Each process
+is started by its own command, so `up` runs exactly what a deployment runs, one process each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from worker.settings import Settings
+
+EXAMPLE = """\
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="{key}")
+  response = client.responses.create(model="synthetic", input="Hello!", background=True)
+  print(client.responses.retrieve(response.id).status)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="respool", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start Redis, Postgres, the API and workers on this machine")
+    up.add_argument("--host", help="API address (RESPOOL_HOST, default 127.0.0.1)")
+    up.add_argument("--port", type=int, help="API port (RESPOOL_PORT, default 8000)")
+    up.add_argument("--workers", type=int, help="worker processes (RESPOOL_WORKERS, default 1)")
+    commands.add_parser("migrate", help="bring the Postgres schema to the newest revision")
+    api = commands.add_parser("api", help="run one API process")
+    api.add_argument("--host", help="address (RESPOOL_HOST)")
+    api.add_argument("--port", type=int, help="port (RESPOOL_PORT)")
+    worker = commands.add_parser("worker", help="run one worker process")
+    worker.add_argument("--concurrency", type=int, help="responses held at once (RESPOOL_CONCURRENCY, default 256)")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    flags = {key: value for key, value in vars(args).items() if key != "command" and value is not None}
+    overrides: dict[str, Any] = flags
+    return Settings(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    if args.command == "up":
+        sys.exit(up(settings))
+    _require_servers(settings)
+    if args.command == "migrate":
+        from worker.migrate import migrate
+
+        migrate(settings.database_url)
+    elif args.command == "api":
+        import uvicorn
+
+        from api.app import create_app
+
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    elif args.command == "worker":
+        from worker.process import run_worker
+
+        run_worker(settings, settings.concurrency)
+
+
+def _require_servers(settings: Settings) -> None:
+    if not settings.has_servers:
+        sys.exit("respool: set RESPOOL_REDIS_URL and RESPOOL_DATABASE_URL (or use `respool up`).")
+
+
+def up(settings: Settings) -> int:
+    """Start what is missing (embedded Redis and Postgres), migrate, then the API and the workers."""
+    from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+    from worker.migrate import migrate
+    from worker.supervisor import Supervisor
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    started: list[EmbeddedRedis | EmbeddedPostgres] = []
+    try:
+        if not settings.redis_url:
+            started.append(EmbeddedRedis.start(settings.data_dir))
+            settings.redis_url = started[-1].url
+        if not settings.database_url:
+            started.append(EmbeddedPostgres.start(settings.data_dir))
+            settings.database_url = started[-1].url
+        migrate(settings.database_url)
+        return _run_processes(settings, Supervisor())
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def _run_processes(settings: Settings, supervisor: Any) -> int:
+    env = {
+        **os.environ,
+        "RESPOOL_REDIS_URL": settings.redis_url,
+        "RESPOOL_DATABASE_URL": settings.database_url,
+    }
+    command = [sys.executable, "-m", "api"]
+    supervisor.spawn("api", [*command, "api", "--host", settings.host, "--port", str(settings.port)], env)
+    for index in range(settings.workers):
+        supervisor.spawn(f"worker-{index + 1}", [*command, "worker"], env)
+    _banner(settings)
+    code: int = supervisor.wait()
+    return code
+
+
+def _banner(settings: Settings) -> None:
+    url = f"http://{settings.host}:{settings.port}"
+    key = "<one of RESPOOL_API_KEYS>" if settings.api_keys else "unused"
+    print(
+        f"\nrespool is up: the API listens on {url}/v1, with {settings.workers} worker process(es).\n"
+        f"Data lives in {settings.data_dir.resolve()}. Press Ctrl-C to stop everything.\n\n"
+        f"Try it with the openai SDK (the built-in 'synthetic' model needs no upstream):\n\n"
+        + EXAMPLE.format(url=url, key=key),
+        flush=True,
+    )

@@ -1,0 +1,73 @@
+"""Rendering every error in OpenAI's envelope (PROTOCOL.md §5.6), with `x-request-id` on every answer.
+
+Domain errors (`worker.errors`) carry their own status; framework errors are mapped here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.responses import Response
+
+from worker.errors import InvalidRequestError, NotFoundError, RespoolError, UnavailableError
+
+log = logging.getLogger("respool.api")
+
+REQUEST_ID = "x-request-id"
+
+
+def error_response(error: RespoolError) -> ORJSONResponse:
+    """The envelope for `error`, with `retry-after` where the client should come back."""
+    headers = {}
+    if isinstance(error, UnavailableError):
+        headers["retry-after"] = str(error.retry_after_seconds)
+    return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)
+
+
+async def _domain(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RespoolError)
+    return error_response(exc)
+
+
+async def _validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"][1:]) or None
+    return error_response(InvalidRequestError(f"Invalid value for '{param}': {first['msg']}.", param=param))
+
+
+async def _http(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFoundError(f"Unknown route: {request.method} {request.url.path}."))
+    error = RespoolError(str(exc.detail))
+    error.status, error.type = exc.status_code, "invalid_request_error"
+    return error_response(error)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(RespoolError("The server had an error while processing your request."))
+
+
+class RequestIdMiddleware(BaseHTTPMiddleware):
+    """Tag every answer with `x-request-id` (the SDK surfaces it as `request_id`, PROTOCOL.md §5.4)."""
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        response = await call_next(request)
+        response.headers[REQUEST_ID] = f"req_{secrets.token_hex(16)}"
+        return response
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RespoolError, _domain)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(RequestIdMiddleware)

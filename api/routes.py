@@ -1,0 +1,92 @@
+"""The routes (PROTOCOL.md §5): each parses, makes one call into the service, and returns."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import ORJSONResponse
+from starlette.responses import Response
+
+from api.auth import owner
+from api.sse import HEARTBEAT_SECONDS, sse_response
+from worker.errors import InvalidRequestError
+from worker.service import ResponseService
+
+router = APIRouter(prefix="/v1")
+Owner = Annotated[str, Depends(owner)]
+
+
+def _service(request: Request) -> ResponseService:
+    service: ResponseService = request.app.state.service
+    return service
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError(
+            "We could not parse the JSON body of your request: it is not valid JSON (UTF-8).", param=None
+        ) from None
+
+
+@router.post("/responses")
+async def create_response(request: Request, owner: Owner) -> Response:
+    """Create a response: JSON for background or foreground, SSE when `stream` (PROTOCOL.md §0.7)."""
+    service = _service(request)
+    created = await service.create(owner, await _json_body(request))
+    response_id = created.response["id"]
+    if created.request.is_stream:
+        return sse_response(service.follow(response_id, -1, HEARTBEAT_SECONDS))
+    if created.request.is_background:
+        return ORJSONResponse(created.response)
+    return ORJSONResponse(await service.wait(response_id))
+
+
+@router.get("/responses/{response_id}")
+async def retrieve_response(
+    request: Request,
+    response_id: str,
+    owner: Owner,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """Poll a response, or replay its events after `starting_after` and follow them (PROTOCOL.md §6.3)."""
+    service = _service(request)
+    if not stream:
+        return ORJSONResponse(await service.retrieve(owner, response_id))
+    await service.check_streamable(owner, response_id)
+    after = -1 if starting_after is None else starting_after
+    return sse_response(service.follow(response_id, after, HEARTBEAT_SECONDS))
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str, owner: Owner) -> Response:
+    """Cancel a background response; the body (empty, PROTOCOL.md §0.10) is not read."""
+    return ORJSONResponse(await _service(request).cancel(owner, response_id))
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(request: Request, response_id: str, owner: Owner) -> Response:
+    return ORJSONResponse(await _service(request).delete(owner, response_id))
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(
+    request: Request,
+    response_id: str,
+    owner: Owner,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """A page of the response's input items, newest first by default (PROTOCOL.md §5)."""
+    page = await _service(request).input_items(owner, response_id, after, limit, order)
+    return ORJSONResponse(page)
+
+
+@router.get("/models")
+async def list_models(request: Request, owner: Owner) -> Response:
+    return ORJSONResponse({"object": "list", "data": _service(request).models()})

@@ -1,0 +1,96 @@
+"""The domain error tree. The API renders any of these as OpenAI's error envelope (PROTOCOL.md §5.6).
+
+    RespoolError                      500 server_error
+    ├── InvalidRequestError           400 invalid_request_error (carries `param`, `code`)
+    │   ├── MissingParameterError     400 code missing_required_parameter
+    │   ├── UnsupportedParameterError 400 code unsupported_parameter
+    │   └── PreviousResponseNotFoundError  400 code previous_response_not_found
+    ├── AuthenticationError           401
+    ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
+    └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
+
+The core raises these; it never raises HTTP exceptions (STYLE.md §10).
+"""
+
+from __future__ import annotations
+
+
+class RespoolError(Exception):
+    """Base of every error respool reports to a client."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_body(self) -> dict[str, object]:
+        """The error envelope, `{"error": {message, type, param, code}}`."""
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+class InvalidRequestError(RespoolError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class MissingParameterError(InvalidRequestError):
+    code = "missing_required_parameter"
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"Missing required parameter: '{param}'.", param=param)
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    code = "unsupported_parameter"
+
+
+class PreviousResponseNotFoundError(InvalidRequestError):
+    code = "previous_response_not_found"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+        )
+
+
+class AuthenticationError(RespoolError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(RespoolError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class ResponseNotFoundError(NotFoundError):
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+class ModelNotFoundError(NotFoundError):
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist or is not routed.", param="model")
+
+
+class UnavailableError(RespoolError):
+    """A backing server is unreachable; the client should retry after a moment."""
+
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+    retry_after_seconds = 1

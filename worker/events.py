@@ -1,0 +1,155 @@
+"""The event log: one Redis stream per response, appended in order, replayable from any offset.
+
+Entry ids are explicit, `0-<sequence_number + 1>` (Redis rejects `0-0`), so Redis itself refuses an
+append that is not after the last one: a retried or stale write can never duplicate or interleave
+(DESIGN.md §3). Each entry holds the event type (`t`) and the event JSON (`d`), encoded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from worker.keys import attempt_key, cancel_key, events_key, lease_key
+from worker.lease import Lease
+from worker.response import TERMINAL_EVENTS
+
+# KEYS: lease, events, cancel. ARGV: lease value, then (entry id, type, data) triples.
+# Returns -1 when fenced out (the lease is not ours), else whether a cancel was requested.
+_FENCED_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 2, #ARGV, 3 do
+  redis.call('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2])
+end
+return redis.call('EXISTS', KEYS[3])
+"""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stored event: its sequence number, type and JSON bytes."""
+
+    sequence_number: int
+    type: str
+    data: bytes
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in TERMINAL_EVENTS
+
+    def payload(self) -> dict[str, Any]:
+        decoded: dict[str, Any] = orjson.loads(self.data)
+        return decoded
+
+
+class AppendResult(IntEnum):
+    FENCED = -1
+    OK = 0
+    CANCEL_REQUESTED = 1
+
+
+def entry_id(sequence_number: int) -> str:
+    return f"0-{sequence_number + 1}"
+
+
+def sequence_of(entry: bytes | str) -> int:
+    """The sequence number of a stream entry id `0-<seq+1>`."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    return int(text.partition("-")[2]) - 1
+
+
+def encode(event: dict[str, Any], sequence_number: int) -> Event:
+    """Number an event and encode it, once (DESIGN.md §7)."""
+    event["sequence_number"] = sequence_number
+    return Event(sequence_number, event["type"], orjson.dumps(event))
+
+
+def decode_entry(entry_id_: bytes, fields: dict[bytes, bytes]) -> Event:
+    return Event(sequence_of(entry_id_), fields[b"t"].decode(), fields[b"d"])
+
+
+def add_events(pipe: Any, response_id: str, events: list[Event]) -> None:
+    """Queue unfenced XADDs on a (sync or async) pipeline: only for the API's first events (DESIGN.md §3)."""
+    for event in events:
+        pipe.xadd(events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number))
+
+
+async def read_events(redis: Redis, response_id: str, after: int = -1, count: int | None = None) -> list[Event]:
+    """The stored events with `sequence_number > after` (`starting_after`, PROTOCOL.md §6.3)."""
+    start = f"({entry_id(after)}" if after >= 0 else "-"
+    entries = await redis.xrange(events_key(response_id), min=start, max="+", count=count)
+    return [decode_entry(entry_id_, fields) for entry_id_, fields in entries]
+
+
+async def last_event(redis: Redis, response_id: str) -> Event | None:
+    """The newest event of a response's stream, if any."""
+    entries = await redis.xrevrange(events_key(response_id), max="+", min="-", count=1)
+    return decode_entry(*entries[0]) if entries else None
+
+
+async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
+    """Start the retention clock of a finished response's keys (DESIGN.md §2.7)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in (events_key(response_id), attempt_key(response_id), cancel_key(response_id)):
+            pipe.expire(key, seconds)
+        await pipe.execute()
+
+
+class EventLog:
+    """Fenced appends for every response a process holds, batched into one pipeline per round trip.
+
+    No timer: while one pipeline is in flight, appends queue up, and the next round trip takes all
+    of them (DESIGN.md §7, "natural batching").
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._script = redis.register_script(_FENCED_APPEND)
+        self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
+        self._flushing = False
+
+    async def append(self, lease: Lease, events: list[Event]) -> AppendResult:
+        """Append `events` (in order) if `lease` still holds; report a fence or a cancel request."""
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((lease, events, future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch)
+        finally:
+            self._flushing = False
+
+    async def _send(self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]) -> None:
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for lease, events, _ in batch:
+                    await self._queue_append(pipe, lease, events)
+                results = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # the connection failed: every append in the batch did
+            results = [exc] * len(batch)
+        for (_, _, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(AppendResult(int(result)))
+
+    async def _queue_append(self, pipe: Pipeline, lease: Lease, events: list[Event]) -> None:
+        args: list[str | bytes] = [lease.value]
+        for event in events:
+            args += [entry_id(event.sequence_number), event.type, event.data]
+        rid = lease.response_id
+        await self._script(keys=[lease_key(rid), events_key(rid), cancel_key(rid)], args=args, client=pipe)

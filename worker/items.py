@@ -1,0 +1,105 @@
+"""Input items: normalising what a client sent into stored items with ids (PROTOCOL.md §3).
+
+String input becomes one user message with one `input_text` part; every item gets an id, so
+`input_items.list` can page by id (PROTOCOL.md §5.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.errors import InvalidRequestError, UnsupportedParameterError
+from worker.ids import new_id
+
+ROLES = {"user", "system", "developer", "assistant"}
+INPUT_PARTS = {"input_text", "input_image", "input_file"}
+ASSISTANT_PARTS = {"output_text", "refusal"}
+ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` as a list of items, each with `id` and `type`."""
+    if isinstance(value, str):
+        return [_message("user", value, None, None)]
+    return [_normalize_item(item, f"input[{index}]") for index, item in enumerate(value)]
+
+
+def _normalize_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    kind = item.get("type") or ("message" if "role" in item else None)
+    if kind is None:
+        if "id" in item:
+            kind = "item_reference"
+        else:
+            raise InvalidRequestError("Every input item needs a 'type' or a 'role'.", param=f"{param}.type")
+    if kind == "message":
+        return _message(item.get("role"), item.get("content"), item.get("id"), param, item)
+    if kind == "item_reference":
+        raise UnsupportedParameterError(
+            "Item references are not supported; send the item itself.", param=param
+        )
+    if kind == "function_call":
+        _require(item, param, "call_id", "name", "arguments")
+    elif kind == "function_call_output":
+        _require(item, param, "call_id", "output")
+    normalized = {**item, "type": kind}
+    normalized.setdefault("id", new_id(ID_PREFIX.get(kind, "item")))
+    if kind in {"function_call", "function_call_output"}:
+        normalized.setdefault("status", "completed")
+    return normalized
+
+
+def _message(
+    role: object, content: object, item_id: object, param: str | None, item: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    where = param or "input"
+    if role not in ROLES:
+        raise InvalidRequestError(
+            f"Invalid role {role!r}: expected one of {sorted(ROLES)}.", param=f"{where}.role"
+        )
+    parts = _content_parts(str(role), content, where)
+    message = {**(item or {}), "type": "message", "role": role, "content": parts}
+    message["id"] = item_id if isinstance(item_id, str) else new_id("msg")
+    message.setdefault("status", "completed")
+    return message
+
+
+def _content_parts(role: str, content: object, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        if role == "assistant":
+            return [{"type": "output_text", "text": content, "annotations": []}]
+        return [{"type": "input_text", "text": content}]
+    if not isinstance(content, list):
+        raise InvalidRequestError("Message content must be a string or a list of parts.", param=f"{where}.content")
+    allowed = ASSISTANT_PARTS | INPUT_PARTS if role == "assistant" else INPUT_PARTS
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in allowed:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(
+                f"Invalid content part type {kind!r} for a {role} message.",
+                param=f"{where}.content[{index}].type",
+            )
+    return content
+
+
+def _require(item: dict[str, Any], param: str, *keys: str) -> None:
+    for key in keys:
+        if key not in item or item[key] is None:
+            raise InvalidRequestError(f"Missing required parameter: '{param}.{key}'.", param=f"{param}.{key}")
+
+
+def check_tool_outputs(items: list[dict[str, Any]], first_new: int) -> None:
+    """Every `function_call_output` needs an earlier `function_call` with its `call_id` (PROTOCOL.md §10)."""
+    call_ids: set[str] = set()
+    for index, item in enumerate(items):
+        if item["type"] == "function_call":
+            call_ids.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in call_ids:
+            raise InvalidRequestError(
+                f"No tool call found for function call output with call_id {item['call_id']}.",
+                param=f"input[{index - first_new}]" if index >= first_new else "previous_response_id",
+            )

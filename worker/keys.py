@@ -1,0 +1,39 @@
+"""Every Redis key respool writes, in one place (DESIGN.md §3).
+
+Per-response keys hash-tag the response id, so the scripts that touch several of them stay valid
+on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+PREFIX = "respool"
+
+
+def events_key(response_id: str) -> str:
+    """The response's event stream: entry id `0-<seq+1>`, fields `t` (type) and `d` (event JSON)."""
+    return f"{PREFIX}:{{{response_id}}}:events"
+
+
+def lease_key(response_id: str) -> str:
+    """`"<attempt>:<worker>"` with a PX ttl, renewed by the holder's heartbeat."""
+    return f"{PREFIX}:{{{response_id}}}:lease"
+
+
+def attempt_key(response_id: str) -> str:
+    """A counter, INCR on every acquire: the fencing token."""
+    return f"{PREFIX}:{{{response_id}}}:attempt"
+
+
+def cancel_key(response_id: str) -> str:
+    """Present while a cancel has been requested."""
+    return f"{PREFIX}:{{{response_id}}}:cancel"
+
+
+def response_keys(response_id: str) -> list[str]:
+    """All of a response's own keys (for delete)."""
+    return [events_key(response_id), lease_key(response_id), attempt_key(response_id), cancel_key(response_id)]
+
+
+def wake_key(process_id: str) -> str:
+    """An API process's private wake-up stream, read in the same XREAD as the streams it relays."""
+    return f"{PREFIX}:tailer:{process_id}"

@@ -1,0 +1,77 @@
+"""Leases and fencing tokens (DESIGN.md §4): who may write a response's events and final record.
+
+A lease is `"<attempt>:<holder>"` under a PX ttl. Acquiring INCRs the attempt counter, which is the
+fencing token every later write is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from worker.keys import attempt_key, lease_key
+
+# KEYS: lease, attempt. ARGV: holder, ttl ms. Returns the new attempt, or 0 while another holder is alive.
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local attempt = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], attempt .. ':' .. ARGV[1], 'PX', ARGV[2])
+return attempt
+"""
+
+# KEYS: lease. ARGV: value, ttl ms. Renews only our own lease.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS: lease. ARGV: value. Deletes only our own lease.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held lease: the right to append to `response_id`'s stream as `attempt`."""
+
+    response_id: str
+    attempt: int
+    holder: str
+
+    @property
+    def value(self) -> str:
+        return f"{self.attempt}:{self.holder}"
+
+
+class Leases:
+    """Acquire, renew and release leases on one Redis connection pool."""
+
+    def __init__(self, redis: Redis, ttl_seconds: float) -> None:
+        self._redis = redis
+        self._ttl_ms = int(ttl_seconds * 1000)
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
+
+    async def acquire(self, response_id: str, holder: str) -> Lease | None:
+        """A new lease under the next attempt, or None while another holder's lease is alive."""
+        keys = [lease_key(response_id), attempt_key(response_id)]
+        attempt = int(await self._acquire(keys=keys, args=[holder, self._ttl_ms]))
+        return Lease(response_id, attempt, holder) if attempt else None
+
+    async def renew(self, leases: list[Lease]) -> list[Lease]:
+        """Renew every lease in one pipeline; return the ones that were lost."""
+        if not leases:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for lease in leases:
+                await self._renew(keys=[lease_key(lease.response_id)], args=[lease.value, self._ttl_ms], client=pipe)
+            results = await pipe.execute()
+        return [lease for lease, kept in zip(leases, results, strict=True) if not kept]
+
+    async def release(self, lease: Lease) -> None:
+        """Give the lease up (a no-op if it is no longer ours)."""
+        await self._release(keys=[lease_key(lease.response_id)], args=[lease.value])

@@ -1,0 +1,40 @@
+"""Running the Alembic migrations (`respool migrate`, and `respool up` before it starts anything)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, text
+
+from worker.store import async_url
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+# Concurrent `migrate` runs (several replicas starting at once) take turns on this lock.
+LOCK_ID = 0x7265_7370_6F6F_6C
+
+
+def alembic_config(database_url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    # psycopg 3 serves both the async engine and Alembic's sync one under the same URL.
+    config.set_main_option("sqlalchemy.url", async_url(database_url).replace("%", "%%"))
+    return config
+
+
+def migrate(database_url: str) -> None:
+    """Bring the schema to the newest revision."""
+    engine = create_engine(async_url(database_url))
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": LOCK_ID})
+        conn.commit()
+        try:
+            config = alembic_config(database_url)
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            conn.commit()
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": LOCK_ID})
+            conn.commit()
+    engine.dispose()

@@ -1,0 +1,192 @@
+"""The worker process (DESIGN.md §7): an asyncio multi-execution worker on RQ's bookkeeping.
+
+RQ's own work loop runs on the main thread (so its signal handling, registration, maintenance and
+registries are RQ's). Each dequeued job becomes a coroutine on an event loop in a second thread,
+so one process holds hundreds of responses and never forks per job. The loop also runs the
+heartbeat (every lease and every RQ execution, one round trip each) and the cancel watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis as SyncRedis
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.utils import now
+from rq.worker import BaseWorker, WorkerStatus
+
+from worker.keys import cancel_key
+from worker.queue import response_queue
+from worker.runner import Runtime, close_runtime, open_runtime, run_response
+from worker.settings import Settings
+
+log = logging.getLogger("respool.worker")
+
+
+@dataclass
+class _Running:
+    job: Job
+    queue: Queue
+    execution: Execution
+    future: Future[None]
+
+
+class ResponseWorker(BaseWorker):
+    """Runs up to `concurrency` responses at once on one event loop, keeping RQ's registries true."""
+
+    def __init__(self, settings: Settings, connection: SyncRedis, concurrency: int) -> None:
+        queue = response_queue(connection, settings.queue)
+        super().__init__(
+            [queue],
+            connection=connection,
+            serializer=JSONSerializer,
+            worker_ttl=max(30, settings.registry_seconds * 3),
+            job_monitoring_interval=settings.registry_seconds,
+        )
+        self.maintenance_interval = settings.maintenance_seconds
+        self._settings = settings
+        self._slots = threading.Semaphore(concurrency)
+        self._running: dict[str, _Running] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="responses", daemon=True)
+        self._thread.start()
+        self._runtime: Runtime = self._call(open_runtime(settings, self.name, concurrency))
+        self._background = [
+            self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
+            self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),
+        ]
+
+    # RQ's hooks ----------------------------------------------------------------------------
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # Short blocking pops, so maintenance (orphan detection) runs on time while idle.
+        return max(1, self.maintenance_interval)
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """The StartedJobRegistry entry outlives a missed heartbeat or two, not minutes (DESIGN.md §4)."""
+        return self._settings.registry_seconds
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        """Take a job only when a slot is free: a job popped without one would wait unseen."""
+        self._wait_for_slot()
+        try:
+            result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        except BaseException:
+            self._slots.release()
+            raise
+        if result is None:
+            self._slots.release()
+        return result
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Start the job's response on the event loop and return at once."""
+        execution = self.prepare_execution(job)
+        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        job.started_at = now()
+        future = self._submit(self._perform(job, queue, execution))
+        self._running[job.id] = _Running(job, queue, execution, future)
+        self.set_state(WorkerStatus.IDLE)
+
+    def teardown(self) -> None:
+        """Let running responses finish (up to the drain deadline), then close the loop."""
+        self._drain(self._settings.drain_seconds)
+        for task in self._background:
+            task.cancel()
+        self._call(close_runtime(self._runtime))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        super().teardown()
+
+    # Internals -----------------------------------------------------------------------------
+
+    def _wait_for_slot(self) -> None:
+        while not self._slots.acquire(timeout=1.0):
+            self.heartbeat()
+            if self._stop_requested:
+                from rq.exceptions import StopRequested
+
+                raise StopRequested()
+
+    async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
+        try:
+            await run_response(self._runtime, job.id)
+        except BaseException:
+            exc_info = sys.exc_info()
+            log.exception("response %s: the job failed", job.id)
+            await asyncio.to_thread(self._finalize_failure, job, queue, execution, exc_info)
+        else:
+            await asyncio.to_thread(self._finalize_success, job, queue, execution, None)
+        finally:
+            self._running.pop(job.id, None)
+            self._slots.release()
+
+    async def _every(self, seconds: float, action: Any) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await action()
+            except Exception:
+                log.exception("periodic %s failed; retrying", action.__name__)
+
+    async def _heartbeat(self) -> None:
+        """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4)."""
+        leases = list(self._runtime.held.values())
+        lost = await self._runtime.leases.renew(leases)
+        for lease in lost:
+            log.warning("response %s: lease lost (attempt %d)", lease.response_id, lease.attempt)
+        await asyncio.to_thread(self._heartbeat_executions)
+
+    def _heartbeat_executions(self) -> None:
+        ttl = self._settings.registry_seconds
+        with self.connection.pipeline() as pipe:
+            self.heartbeat(pipeline=pipe)
+            for running in list(self._running.values()):
+                running.execution.heartbeat(running.job.started_job_registry, ttl, pipeline=pipe)
+                running.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            pipe.execute()
+
+    async def _watch_cancels(self) -> None:
+        """Interrupt responses whose cancel flag is set, even while their upstream is silent."""
+        response_ids = list(self._runtime.running)
+        if not response_ids:
+            return
+        async with self._runtime.redis.pipeline(transaction=False) as pipe:
+            for response_id in response_ids:
+                pipe.exists(cancel_key(response_id))
+            flags = await pipe.execute()
+        for response_id, flagged in zip(response_ids, flags, strict=True):
+            if flagged:
+                self._runtime.request_cancel(response_id)
+
+    def _drain(self, seconds: float) -> None:
+        futures = [running.future for running in list(self._running.values())]
+        if futures:
+            log.info("draining %d running responses (up to %.0f s)", len(futures), seconds)
+            concurrent.futures.wait(futures, timeout=seconds)
+        for running in list(self._running.values()):
+            running.future.cancel()
+
+    def _submit(self, coroutine: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _call(self, coroutine: Any) -> Any:
+        return self._submit(coroutine).result()
+
+
+def run_worker(settings: Settings, concurrency: int) -> None:
+    """`respool worker`: run until SIGINT/SIGTERM."""
+    connection = SyncRedis.from_url(settings.redis_url)
+    ResponseWorker(settings, connection, concurrency).work(logging_level="INFO")

@@ -1,0 +1,62 @@
+"""The queue contract between the API and the workers: RQ jobs whose id is the response id.
+
+A job's only argument is the response id: the request, the conversation and every secret stay
+out of Redis (DESIGN.md §8). The API calls these synchronous functions in a thread, because RQ
+is synchronous.
+"""
+
+from __future__ import annotations
+
+from redis import Redis as SyncRedis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from worker.events import Event, add_events
+
+JOB_FUNCTION = "worker.runner.run_job"
+# A response may stream for a long time; the lease, not RQ's job timeout, bounds a dead worker.
+JOB_TIMEOUT = -1
+RESULT_TTL = 600
+
+
+def response_queue(connection: SyncRedis, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue_response(queue: Queue, response_id: str, first_events: list[Event]) -> None:
+    """Append the response's first events and enqueue its job, in one MULTI (DESIGN.md §2.1)."""
+    with queue.connection.pipeline() as pipe:
+        pipe.multi()
+        add_events(pipe, response_id, first_events)
+        queue.enqueue_call(
+            JOB_FUNCTION,
+            args=(response_id,),
+            job_id=response_id,
+            timeout=JOB_TIMEOUT,
+            result_ttl=RESULT_TTL,
+            failure_ttl=RESULT_TTL,
+            description=f"response {response_id}",
+            pipeline=pipe,
+        )
+        pipe.execute()
+
+
+def remove_queued(queue: Queue, response_id: str) -> bool:
+    """Take a job that no worker has picked up out of the queue; False if a worker already has it."""
+    if queue.remove(response_id) == 0:
+        return False
+    job = Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer)
+    with queue.connection.pipeline() as pipe:
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        queue.canceled_job_registry.add(job, pipeline=pipe)
+        pipe.execute()
+    return True
+
+
+def delete_job(queue: Queue, response_id: str) -> None:
+    """Remove a finished response's job record, if RQ still has one."""
+    try:
+        Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer).delete()
+    except Exception:  # noqa: BLE001 - NoSuchJobError, or a record already gone: nothing to delete
+        return

@@ -1,0 +1,116 @@
+"""Which upstream serves which model: `respool.toml` (path in `RESPOOL_CONFIG`), the single-upstream
+env vars, and the built-in `synthetic` model.
+
+    # respool.toml
+    [models."llama-3.1-8b"]
+    base_url = "http://gpu-1:8000/v1"
+    api = "chat"                      # "chat" (translated) or "responses" (native)
+    upstream_model = "meta-llama/Llama-3.1-8B-Instruct"   # defaults to the table's name
+    api_key_env = "VLLM_API_KEY"      # optional: the env var holding the upstream's key
+
+Keys are read from the environment when a request is sent, never stored in a row or a job.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from worker.errors import ModelNotFoundError
+from worker.settings import Settings
+
+SYNTHETIC = "synthetic"
+UPSTREAM_KEY_ENV = "RESPOOL_UPSTREAM_API_KEY"
+
+
+class UpstreamApi(StrEnum):
+    CHAT = "chat"
+    RESPONSES = "responses"
+    SYNTHETIC = "synthetic"
+
+
+class ConfigError(ValueError):
+    """The routing configuration is unusable; raised at start, never per request."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach the model a client named."""
+
+    model: str
+    api: UpstreamApi
+    base_url: str = ""
+    upstream_model: str = ""
+    api_key_env: str | None = None
+
+    def api_key(self) -> str | None:
+        """The upstream key, read from its env var now (so rotating it needs no restart of the config)."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The routing table; `fallback` (the single-upstream case) takes every name not in `models`."""
+
+    models: dict[str, Route]
+    fallback: Route | None = None
+
+    def resolve(self, model: str) -> Route:
+        """The route for `model`, or `ModelNotFoundError`."""
+        route = self.models.get(model)
+        if route is not None:
+            return route
+        if self.fallback is not None:
+            return Route(model, self.fallback.api, self.fallback.base_url, model, self.fallback.api_key_env)
+        raise ModelNotFoundError(model)
+
+    def listed(self) -> list[Route]:
+        """The routes to show in `GET /v1/models` (a pass-through upstream has no names of its own)."""
+        return sorted(self.models.values(), key=lambda route: route.model)
+
+
+def load_routes(settings: Settings) -> Routes:
+    """Build the routing table from the config file and env; raise `ConfigError` if they are wrong."""
+    models = {SYNTHETIC: Route(SYNTHETIC, UpstreamApi.SYNTHETIC)}
+    if settings.config is not None:
+        models.update(_read_config(settings.config))
+    fallback = None
+    if settings.upstream_url:
+        api = _api(settings.upstream_api, "RESPOOL_UPSTREAM_API")
+        key_env = UPSTREAM_KEY_ENV if settings.upstream_api_key is not None else None
+        fallback = Route("*", api, settings.upstream_url.rstrip("/"), "", key_env)
+    return Routes(models, fallback)
+
+
+def _read_config(path: Path) -> dict[str, Route]:
+    try:
+        document = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    tables = document.get("models", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: [models] must be a table of models")
+    return {name: _route(name, table, path) for name, table in tables.items()}
+
+
+def _route(name: str, table: dict[str, Any], path: Path) -> Route:
+    if not isinstance(table, dict) or not table.get("base_url"):
+        raise ConfigError(f'{path}: [models."{name}"] needs a base_url')
+    api = _api(str(table.get("api", "chat")), f'[models."{name}"].api')
+    return Route(
+        model=name,
+        api=api,
+        base_url=str(table["base_url"]).rstrip("/"),
+        upstream_model=str(table.get("upstream_model", name)),
+        api_key_env=table.get("api_key_env"),
+    )
+
+
+def _api(value: str, where: str) -> UpstreamApi:
+    if value not in (UpstreamApi.CHAT, UpstreamApi.RESPONSES):
+        raise ConfigError(f"{where} must be 'chat' or 'responses', not {value!r}")
+    return UpstreamApi(value)

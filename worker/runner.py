@@ -1,0 +1,287 @@
+"""Running one response (DESIGN.md §2, steps 2 and 3): lease, mark in progress, call the upstream,
+translate, append every event fenced, record the final Response, then append the terminal event.
+
+Postgres is the authority: the terminal event follows the commit, and a cancel recorded there wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker import store
+from worker.errors import RespoolError
+from worker.events import AppendResult, Event, EventLog, encode, expire_response, last_event
+from worker.lease import Lease, Leases
+from worker.response import TERMINAL, Status, failed, finished, with_status
+from worker.routing import Route, Routes, UpstreamApi, load_routes
+from worker.settings import Settings
+from worker.synthetic import synthetic_chunks
+from worker.translation import chat_request, chat_stream, native
+from worker.upstream import UpstreamError, create_client, stream_json
+
+log = logging.getLogger("respool.runner")
+
+# Events after which no output has reached a client yet: a new attempt may still generate.
+_BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_progress"})
+WORKER_LOST = "The worker running this response was lost after it had started streaming output."
+
+
+class CancelRequested(Exception):
+    """A cancel was requested for the response this attempt is running."""
+
+
+class FencedOut(Exception):
+    """Another attempt holds the response now: this one must write nothing more."""
+
+
+@dataclass
+class Runtime:
+    """A worker process's connections and state, shared by every response it runs."""
+
+    engine: AsyncEngine
+    redis: Redis
+    http: httpx.AsyncClient
+    routes: Routes
+    holder: str
+    stream_ttl_seconds: int
+    synthetic_delay_seconds: float
+    leases: Leases
+    log: EventLog = field(init=False)
+    running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    held: dict[str, Lease] = field(default_factory=dict)
+    cancelling: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.log = EventLog(self.redis)
+
+    def request_cancel(self, response_id: str) -> None:
+        """Interrupt the response's attempt (the cancel watcher saw its flag)."""
+        task = self.running.get(response_id)
+        if task is not None and response_id not in self.cancelling:
+            self.cancelling.add(response_id)
+            task.cancel()
+
+
+class ResponseWriter:
+    """Numbers one attempt's events and appends them under its lease."""
+
+    def __init__(self, log_: EventLog, lease: Lease, next_sequence: int) -> None:
+        self._log = log_
+        self.lease = lease
+        self.next_sequence = next_sequence
+
+    async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
+        """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
+        encoded: list[Event] = []
+        for event in events:
+            encoded.append(encode(event, self.next_sequence))
+            self.next_sequence += 1
+        result = await self._log.append(self.lease, encoded)
+        if result is AppendResult.FENCED:
+            raise FencedOut(self.lease.response_id)
+        if result is AppendResult.CANCEL_REQUESTED and not final:
+            raise CancelRequested(self.lease.response_id)
+
+
+def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
+    """The one terminal event for a finished Response (a cancel ends as `response.failed`, PROTOCOL.md §4.1)."""
+    kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+        response["status"], "response.failed"
+    )
+    return {"type": kind, "response": response}
+
+
+async def run_response(rt: Runtime, response_id: str) -> None:
+    """Run `response_id` to its end under a new lease; a no-op while another live holder has it."""
+    lease = await rt.leases.acquire(response_id, rt.holder)
+    if lease is None:
+        log.warning("response %s is held by another live worker; not running it", response_id)
+        return
+    rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
+    rt.held[response_id] = lease
+    try:
+        await _run_attempt(rt, lease)
+    except FencedOut:
+        log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
+    finally:
+        rt.running.pop(response_id, None)
+        rt.held.pop(response_id, None)
+        rt.cancelling.discard(response_id)
+        await rt.leases.release(lease)
+
+
+async def _run_attempt(rt: Runtime, lease: Lease) -> None:
+    response_id = lease.response_id
+    async with rt.engine.connect() as conn:
+        stored = await store.get_response(conn, response_id)
+    if stored is None:
+        return  # deleted before it ran
+    last = await last_event(rt.redis, response_id)
+    writer = ResponseWriter(rt.log, lease, 0 if last is None else last.sequence_number + 1)
+    if stored.status in TERMINAL:
+        await _ensure_terminal(rt, writer, stored.response, last)
+        return
+    response = with_status(stored.response, Status.IN_PROGRESS)
+    async with rt.engine.begin() as conn:
+        started = await store.mark_in_progress(conn, response_id, lease.attempt, response)
+    if not started:
+        await _end_as_stored(rt, writer)
+        return
+    if last is not None and last.type not in _BEFORE_OUTPUT:
+        # DESIGN.md §4: an earlier attempt's output reached clients; generating again would repeat it.
+        await _finish(rt, writer, stored, failed(response, WORKER_LOST, int(time.time())))
+        return
+    announced = last is not None and last.type == "response.in_progress"
+    final = await _produce(rt, writer, stored, response, announced=announced)
+    if final is None:
+        await _end_as_stored(rt, writer)
+        return
+    await _finish(rt, writer, stored, final)
+
+
+async def _produce(
+    rt: Runtime,
+    writer: ResponseWriter,
+    stored: store.StoredResponse,
+    response: dict[str, Any],
+    *,
+    announced: bool,
+) -> dict[str, Any] | None:
+    """The final Response of this attempt, or None when it was cancelled."""
+    try:
+        if not announced:
+            await writer.emit([{"type": "response.in_progress", "response": response}])
+        outcome = await _generate(rt, writer, stored)
+    except CancelRequested:
+        return None
+    except asyncio.CancelledError:
+        if stored.id not in rt.cancelling:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        return None
+    except (UpstreamError, native.NativeFailure, RespoolError) as exc:
+        log.info("response %s failed: %s", stored.id, exc)
+        return failed(response, f"The upstream model failed: {exc}", int(time.time()))
+    return finished(
+        response,
+        Status(outcome.status),
+        int(time.time()),
+        output=outcome.output,
+        usage=outcome.usage,
+        incomplete_details=outcome.incomplete_details,
+    )
+
+
+async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse) -> chat_stream.Outcome:
+    route = rt.routes.resolve(stored.request["model"])
+    if route.api is UpstreamApi.RESPONSES:
+        return await _generate_native(rt, writer, stored, route)
+    body = chat_request.to_chat_request(stored.request, stored.conversation, route.upstream_model or route.model)
+    include = stored.request.get("include") or []
+    state = chat_stream.start_stream(include_logprobs="message.output_text.logprobs" in include)
+    async for chunk in _chat_chunks(rt, route, body):
+        events = chat_stream.translate_chunk(state, chunk)
+        if events:
+            await writer.emit(events)
+    events, outcome = chat_stream.finish_stream(state)
+    if events:
+        await writer.emit(events)
+    return outcome
+
+
+def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    if route.api is UpstreamApi.SYNTHETIC:
+        return synthetic_chunks(body, rt.synthetic_delay_seconds)
+    return stream_json(rt.http, route, "/chat/completions", body)
+
+
+async def _generate_native(
+    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, route: Route
+) -> chat_stream.Outcome:
+    body = native.to_responses_request(stored.request, stored.conversation, route.upstream_model or route.model)
+    state = native.NativeStream()
+    async for upstream_event in stream_json(rt.http, route, "/responses", body):
+        events = native.translate_event(state, upstream_event)
+        if events:
+            await writer.emit(events)
+    return native.finish_stream(state)
+
+
+async def _finish(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]) -> None:
+    """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored."""
+    attempt = writer.lease.attempt
+    async with rt.engine.begin() as conn:
+        if stored.store:
+            won = await store.mark_finished(conn, stored.id, attempt, final)
+        else:
+            won = await store.delete_finished(conn, stored.id, attempt)
+    if not won:
+        await _end_as_stored(rt, writer)
+        return
+    await writer.emit([terminal_event(final)], final=True)
+    await expire_response(rt.redis, stored.id, rt.stream_ttl_seconds)
+
+
+async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
+    """Another outcome (a cancel) won in Postgres: end the stream with what is stored there."""
+    async with rt.engine.connect() as conn:
+        stored = await store.get_response(conn, writer.lease.response_id)
+    if stored is not None and stored.status in TERMINAL:
+        await _ensure_terminal(rt, writer, stored.response, await last_event(rt.redis, stored.id))
+
+
+async def _ensure_terminal(
+    rt: Runtime, writer: ResponseWriter, response: dict[str, Any], last: Event | None
+) -> None:
+    """Append the terminal event unless the stream already ends with one (the caller holds the lease)."""
+    if last is not None and last.is_terminal:
+        return
+    await writer.emit([terminal_event(response)], final=True)
+    await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+
+
+async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:
+    """Connections for a process that runs up to `concurrency` responses at once."""
+    redis = Redis.from_url(settings.redis_url, max_connections=max(16, concurrency // 4))
+    return Runtime(
+        engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
+        redis=redis,
+        http=create_client(settings.upstream_timeout_seconds, concurrency),
+        routes=load_routes(settings),
+        holder=holder,
+        stream_ttl_seconds=settings.stream_ttl_seconds,
+        synthetic_delay_seconds=settings.synthetic_delay_seconds,
+        leases=Leases(redis, settings.lease_seconds),
+    )
+
+
+async def close_runtime(rt: Runtime) -> None:
+    await rt.http.aclose()
+    await rt.engine.dispose()
+    await rt.redis.aclose()
+
+
+def run_job(response_id: str) -> None:
+    """The RQ job function, for a stock `rq worker` on respool's queue (one response per process).
+
+    respool's own worker never calls it: it runs `run_response` for many jobs on one event loop.
+    """
+
+    async def run_once() -> None:
+        rt = await open_runtime(Settings(), f"rq:{os.getpid()}", 1)
+        try:
+            await run_response(rt, response_id)
+        finally:
+            await close_runtime(rt)
+
+    asyncio.run(run_once())

@@ -1,0 +1,278 @@
+"""The service layer the API calls (DESIGN.md §2): create, retrieve, follow, cancel, delete, list.
+
+It owns every transaction and enqueues only after the commit (STYLE.md boundary 4). Each method
+takes the caller's `owner`; a response of another owner is "not found", on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from rq import Queue
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from worker import store
+from worker.errors import (
+    InvalidRequestError,
+    PreviousResponseNotFoundError,
+    ResponseNotFoundError,
+    UnavailableError,
+)
+from worker.events import Event, EventLog, encode, expire_response, last_event
+from worker.ids import new_id
+from worker.items import check_tool_outputs, normalize_input
+from worker.keys import cancel_key, response_keys
+from worker.lease import Leases
+from worker.queue import delete_job, enqueue_response, remove_queued, response_queue
+from worker.request import CreateRequest, parse_create_request
+from worker.response import LIVE, TERMINAL, Status, build_response, with_status
+from worker.routing import Route, Routes, UpstreamApi, load_routes
+from worker.runner import ResponseWriter, terminal_event
+from worker.settings import Settings
+from worker.tailer import Tailer
+from worker.translation import chat_request
+
+log = logging.getLogger("respool.service")
+
+CANCEL_FLAG_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class Created:
+    """What a create produced: the Response now, and for `stream`/foreground how to follow it."""
+
+    response: dict[str, Any]
+    request: CreateRequest
+
+
+class ResponseService:
+    """One per API process: its connections, the routing table and the tailer."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, redis: Redis, sync_redis: SyncRedis) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.redis = redis
+        self.queue: Queue = response_queue(sync_redis, settings.queue)
+        self.routes: Routes = load_routes(settings)
+        self.tailer = Tailer(Redis.from_url(settings.redis_url, max_connections=1))
+        self.leases = Leases(redis, settings.lease_seconds)
+        self.log = EventLog(redis)
+        self.holder = f"api:{new_id('proc')}"
+
+    @classmethod
+    def open(cls, settings: Settings) -> ResponseService:
+        engine = store.create_engine(settings.database_url)
+        redis = Redis.from_url(settings.redis_url, max_connections=256)
+        return cls(settings, engine, redis, SyncRedis.from_url(settings.redis_url))
+
+    async def start(self) -> None:
+        await self.tailer.start()
+
+    async def close(self) -> None:
+        await self.tailer.stop()
+        await self.engine.dispose()
+        await self.redis.aclose()
+        self.queue.connection.close()
+
+    # Create ----------------------------------------------------------------------------------
+
+    async def create(self, owner: str, body: object) -> Created:
+        """Validate, record and enqueue a response (DESIGN.md §2.1); nothing is written on a 400."""
+        request = parse_create_request(body)
+        assert request.model is not None and request.input is not None
+        route = self.routes.resolve(request.model)
+        own_items = normalize_input(request.input)
+        response_id = new_id("resp")
+        response = build_response(request, response_id, int(time.time()), Status.QUEUED)
+        async with _database(), self.engine.begin() as conn:
+            history = await self._history(conn, owner, request.previous_response_id)
+            conversation = history + own_items
+            check_tool_outputs(conversation, len(history))
+            _check_translatable(route, request, conversation)
+            await store.insert_response(conn, _row(owner, request, response, conversation), own_items)
+        await self._enqueue(request, response)
+        return Created(response, request)
+
+    async def _history(self, conn: AsyncConnection, owner: str, previous_id: str | None) -> list[dict[str, Any]]:
+        """The earlier turns: the previous response's conversation and its output (one row read)."""
+        if previous_id is None:
+            return []
+        previous = await store.get_response(conn, previous_id, owner)
+        if previous is None or not previous.store:
+            raise PreviousResponseNotFoundError(previous_id)
+        if previous.status in LIVE:
+            raise InvalidRequestError(
+                f"Previous response with id '{previous_id}' is still {previous.status}; wait for it to finish.",
+                param="previous_response_id",
+            )
+        return previous.conversation + list(previous.response.get("output") or [])
+
+    async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
+        created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
+        first = [encode({"type": "response.created", "response": created}, 0)]
+        if request.is_background:
+            first.append(encode({"type": "response.queued", "response": response}, 1))
+        try:
+            await asyncio.to_thread(enqueue_response, self.queue, response["id"], first)
+        except RedisError as exc:
+            # Nothing reached the queue: fail the row, so a retry by the SDK duplicates no work.
+            log.error("response %s: enqueue failed: %s", response["id"], exc)
+            async with _database(), self.engine.begin() as conn:
+                await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
+            raise UnavailableError("The queue is unavailable; retry the request shortly.") from exc
+
+    # Read ------------------------------------------------------------------------------------
+
+    async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
+        """The Response as it stands (PROTOCOL.md §6.3 polling)."""
+        return (await self._stored(owner, response_id)).response
+
+    async def check_streamable(self, owner: str, response_id: str) -> None:
+        """Raise unless the response exists for `owner` and its events are still kept."""
+        stored = await self._stored(owner, response_id)
+        if stored.status in TERMINAL and await last_event(self.redis, response_id) is None:
+            raise InvalidRequestError(
+                "The event stream of this response has expired; retrieve it without stream=true.",
+                param="stream",
+            )
+
+    def follow(self, response_id: str, after: int = -1, idle_seconds: float | None = None) -> AsyncIterator[Event | None]:
+        """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3)."""
+        return self.tailer.follow(response_id, after, idle_seconds)
+
+    async def wait(self, response_id: str) -> dict[str, Any]:
+        """Hold a foreground request until its terminal event, and return its Response."""
+        async for event in self.tailer.follow(response_id):
+            if event is not None and event.is_terminal:
+                response: dict[str, Any] = event.payload()["response"]
+                return response
+        raise UnavailableError("The response's event stream ended without a terminal event.")
+
+    async def input_items(
+        self, owner: str, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> dict[str, Any]:
+        """A page of the response's input items (PROTOCOL.md §5.1)."""
+        await self._stored(owner, response_id)
+        async with _database(), self.engine.connect() as conn:
+            items, has_more = await store.list_input_items(conn, response_id, after=after, limit=limit, order=order)
+        return {
+            "object": "list",
+            "data": items,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+            "has_more": has_more,
+        }
+
+    def models(self) -> list[dict[str, Any]]:
+        """`GET /v1/models`: every routed model."""
+        return [
+            {"id": route.model, "object": "model", "created": 0, "owned_by": "respool"}
+            for route in self.routes.listed()
+        ]
+
+    # Cancel and delete -----------------------------------------------------------------------
+
+    async def cancel(self, owner: str, response_id: str) -> dict[str, Any]:
+        """Cancel a background response (PROTOCOL.md §7 matrix); idempotent."""
+        stored = await self._stored(owner, response_id)
+        if not stored.background:
+            raise InvalidRequestError("Cannot cancel a synchronous response.", param="response_id")
+        async with _database(), self.engine.begin() as conn:
+            cancelled = await store.mark_cancelled(conn, response_id, owner)
+        if cancelled is None:  # already terminal, or it just finished
+            stored = await self._stored(owner, response_id)
+            if stored.status is Status.CANCELLED:
+                return stored.response
+            raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
+        await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
+        if await asyncio.to_thread(remove_queued, self.queue, response_id):
+            await self._end_stream(response_id, cancelled)
+        return cancelled
+
+    async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
+        """Delete a response, its input items and its events; a live background one is cancelled first."""
+        stored = await self._stored(owner, response_id)
+        if stored.status in LIVE:
+            if not stored.background:
+                raise InvalidRequestError(
+                    "Cannot delete a synchronous response while it is in progress.", param="response_id"
+                )
+            await self.cancel(owner, response_id)
+        async with _database(), self.engine.begin() as conn:
+            await store.delete_response(conn, response_id, owner)
+        # Deleting the lease fences out a worker still running it: it can write nothing more.
+        await self.redis.delete(*response_keys(response_id))
+        await asyncio.to_thread(delete_job, self.queue, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _end_stream(self, response_id: str, response: dict[str, Any]) -> None:
+        """End a never-run response's stream with its terminal event, under a lease of our own."""
+        lease = await self.leases.acquire(response_id, self.holder)
+        if lease is None:
+            return  # a worker holds it and will end the stream itself
+        try:
+            last = await last_event(self.redis, response_id)
+            if last is None or not last.is_terminal:
+                next_sequence = 0 if last is None else last.sequence_number + 1
+                writer = ResponseWriter(self.log, lease, next_sequence)
+                await writer.emit([terminal_event(response)], final=True)
+            await expire_response(self.redis, response_id, self.settings.stream_ttl_seconds)
+        finally:
+            await self.leases.release(lease)
+
+    async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
+        async with _database(), self.engine.connect() as conn:
+            stored = await store.get_response(conn, response_id, owner)
+        if stored is None or not stored.store:
+            raise ResponseNotFoundError(response_id)
+        return stored
+
+
+def _check_translatable(route: Route, request: CreateRequest, conversation: list[dict[str, Any]]) -> None:
+    """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
+    if route.api is not UpstreamApi.RESPONSES:
+        chat_request.to_chat_request(request.model_dump(exclude_unset=True), conversation, route.model)
+
+
+def _row(owner: str, request: CreateRequest, response: dict[str, Any], conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": response["id"],
+        "owner": owner,
+        "status": Status.QUEUED,
+        "model": request.model,
+        "background": request.is_background,
+        "store": request.is_stored,
+        "stream": request.is_stream,
+        "previous_response_id": request.previous_response_id,
+        "request": request.model_dump(exclude_unset=True),
+        "conversation": conversation,
+        "response": response,
+    }
+
+
+class _database:
+    """Map a Postgres outage to `UnavailableError` (503 + retry-after) at this boundary."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, SQLAlchemyError) and _is_connection_error(exc):
+            raise UnavailableError("The database is unavailable; retry the request shortly.") from exc
+
+
+def _is_connection_error(exc: SQLAlchemyError) -> bool:
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    return isinstance(exc, OperationalError | InterfaceError) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    )

@@ -1,0 +1,57 @@
+"""Settings, read once per process from `RESPOOL_*` env vars and passed explicitly (DESIGN.md §8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of every respool process; each one is also an env var `RESPOOL_<NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="RESPOOL_", extra="ignore")
+
+    # Where things are. Empty URLs mean "start the embedded servers" (`respool up`).
+    redis_url: str = ""
+    database_url: str = ""
+    data_dir: Path = Path(".respool")
+    config: Path | None = None
+
+    # The single-upstream case: every model name goes to this server.
+    upstream_url: str = ""
+    upstream_api: str = "chat"
+    upstream_api_key: SecretStr | None = None
+
+    # API.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: SecretStr | None = Field(
+        default=None, description='"key1:tenant-a,key2:tenant-b"; unset means no auth'
+    )
+
+    # Worker.
+    workers: int = 1
+    concurrency: int = 256
+    queue: str = "respool"
+
+    # Timing (DESIGN.md §4: heartbeat < lease TTL < RQ registry TTL).
+    heartbeat_seconds: float = 2.0
+    lease_seconds: float = 8.0
+    registry_seconds: int = 12
+    maintenance_seconds: int = 5
+    cancel_poll_seconds: float = 0.25
+    drain_seconds: float = 30.0
+    upstream_timeout_seconds: float = 600.0
+
+    # Retention (DESIGN.md §2.7).
+    stream_ttl_seconds: int = 3600
+
+    # The synthetic model's pace, seconds between words.
+    synthetic_delay_seconds: float = 0.0
+
+    @property
+    def has_servers(self) -> bool:
+        """Whether external Redis and Postgres are configured (otherwise `up` embeds them)."""
+        return bool(self.redis_url and self.database_url)

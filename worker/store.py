@@ -1,0 +1,185 @@
+"""The response store in Postgres (DESIGN.md §5). Functions take a connection; they never commit.
+
+Every status change is one compare-and-set `UPDATE … WHERE status IN (…)`, here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from worker.models import InputItemRow, ResponseRow
+from worker.response import LIVE, Status
+
+
+def create_engine(database_url: str, pool_size: int = 10) -> AsyncEngine:
+    """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver)."""
+    return create_async_engine(async_url(database_url), pool_size=pool_size, max_overflow=pool_size)
+
+
+def async_url(database_url: str) -> str:
+    """`postgresql://…` → `postgresql+psycopg://…`; a URL that names a driver is kept."""
+    for prefix in ("postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
+    return database_url
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """What the API and the worker read of a response row."""
+
+    id: str
+    owner: str
+    status: Status
+    background: bool
+    store: bool
+    stream: bool
+    request: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    response: dict[str, Any]
+    attempt: int
+
+
+_COLUMNS = (
+    ResponseRow.id,
+    ResponseRow.owner,
+    ResponseRow.status,
+    ResponseRow.background,
+    ResponseRow.store,
+    ResponseRow.stream,
+    ResponseRow.request,
+    ResponseRow.conversation,
+    ResponseRow.response,
+    ResponseRow.attempt,
+)
+
+
+async def insert_response(
+    conn: AsyncConnection, row: dict[str, Any], input_items: list[dict[str, Any]]
+) -> None:
+    """Insert a new response row and its input items."""
+    await conn.execute(insert(ResponseRow).values(**row))
+    items = [
+        {"response_id": row["id"], "position": index, "item_id": item["id"], "item": item}
+        for index, item in enumerate(input_items)
+    ]
+    if items:
+        await conn.execute(insert(InputItemRow), items)
+
+
+async def get_response(conn: AsyncConnection, response_id: str, owner: str | None = None) -> StoredResponse | None:
+    """The row `response_id`, if it exists (and belongs to `owner`, when one is given)."""
+    query = select(*_COLUMNS).where(ResponseRow.id == response_id)
+    if owner is not None:
+        query = query.where(ResponseRow.owner == owner)
+    row = (await conn.execute(query)).one_or_none()
+    if row is None:
+        return None
+    return StoredResponse(**{**row._asdict(), "status": Status(row.status)})
+
+
+async def mark_in_progress(
+    conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
+) -> bool:
+    """Move a live row to `in_progress` under `attempt`; False if it is terminal or a later attempt owns it."""
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(ResponseRow.id == response_id, ResponseRow.attempt < attempt, ResponseRow.status.in_(LIVE))
+        .values(status=Status.IN_PROGRESS, attempt=attempt, response=response, started_at=func.now())
+    )
+    return result.rowcount == 1
+
+
+async def mark_finished(
+    conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
+) -> bool:
+    """Record the final Response, fenced on `attempt` (DESIGN.md §2.3); False means another outcome won."""
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(
+            ResponseRow.id == response_id,
+            ResponseRow.attempt == attempt,
+            ResponseRow.status == Status.IN_PROGRESS,
+        )
+        .values(
+            status=response["status"],
+            response=response,
+            error=response.get("error"),
+            completed_at=func.now(),
+        )
+    )
+    return result.rowcount == 1
+
+
+async def mark_failed(conn: AsyncConnection, response_id: str, response: dict[str, Any]) -> bool:
+    """Fail a live row whatever its attempt (a job that never ran, a sweep); False if already terminal."""
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(ResponseRow.id == response_id, ResponseRow.status.in_(LIVE))
+        .values(status=Status.FAILED, response=response, error=response.get("error"), completed_at=func.now())
+    )
+    return result.rowcount == 1
+
+
+async def mark_cancelled(conn: AsyncConnection, response_id: str, owner: str) -> dict[str, Any] | None:
+    """Cancel a live background row (cancel wins, PROTOCOL.md §7); the cancelled Response, or None."""
+    cancelled = ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.CANCELLED)))
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(
+            ResponseRow.id == response_id,
+            ResponseRow.owner == owner,
+            ResponseRow.background.is_(True),
+            ResponseRow.status.in_(LIVE),
+        )
+        .values(status=Status.CANCELLED, response=cancelled, completed_at=func.now())
+        .returning(ResponseRow.response)
+    )
+    row = result.one_or_none()
+    return None if row is None else dict(row.response)
+
+
+async def delete_response(conn: AsyncConnection, response_id: str, owner: str | None = None) -> bool:
+    """Delete the row and (by cascade) its input items; False if there was none."""
+    query = delete(ResponseRow).where(ResponseRow.id == response_id)
+    if owner is not None:
+        query = query.where(ResponseRow.owner == owner)
+    return (await conn.execute(query)).rowcount == 1
+
+
+async def list_input_items(
+    conn: AsyncConnection,
+    response_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    order: Literal["asc", "desc"],
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of input items after the item `after` (cursor pagination), and whether more follow."""
+    query = select(InputItemRow.item).where(InputItemRow.response_id == response_id)
+    if after is not None:
+        cursor = (
+            select(InputItemRow.position)
+            .where(InputItemRow.response_id == response_id, InputItemRow.item_id == after)
+            .scalar_subquery()
+        )
+        query = query.where(InputItemRow.position > cursor if order == "asc" else InputItemRow.position < cursor)
+    position = InputItemRow.position.asc() if order == "asc" else InputItemRow.position.desc()
+    rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
+    return [dict(item) for item in rows[:limit]], len(rows) > limit
+
+
+async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int) -> bool:
+    """Finish a `store: false` response by deleting it, fenced like `mark_finished`."""
+    result = await conn.execute(
+        delete(ResponseRow).where(
+            ResponseRow.id == response_id,
+            ResponseRow.attempt == attempt,
+            ResponseRow.status == Status.IN_PROGRESS,
+        )
+    )
+    return result.rowcount == 1

@@ -1,0 +1,134 @@
+"""Following response streams: replay with XRANGE, then one multiplexed XREAD per process (DESIGN.md §7).
+
+A single task blocks in `XREAD` over every stream this process relays, plus a private wake-up
+stream: a new subscriber XADDs to it, so the blocked read returns and the next one includes the
+new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
+between the replay and the live tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from worker.events import Event, decode_entry, entry_id, read_events, sequence_of
+from worker.keys import events_key, wake_key
+
+log = logging.getLogger("respool.tailer")
+
+REPLAY_PAGE = 1000
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    position: int
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+
+class Tailer:
+    """Relays live events of many responses to many readers over one blocking connection."""
+
+    def __init__(self, redis: Redis, block_ms: int = 10_000) -> None:
+        self._redis = redis  # a client of its own: XREAD BLOCK holds a connection
+        self._block_ms = block_ms
+        self._wake = wake_key(uuid.uuid4().hex)
+        self._wake_position = "0-0"
+        self._subscribers: dict[str, set[_Subscriber]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._wake_position = (await self._poke()).decode()
+        self._task = asyncio.create_task(self._run(), name="tailer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.delete(self._wake)
+
+    async def follow(
+        self, response_id: str, after: int = -1, idle_seconds: float | None = None
+    ) -> AsyncIterator[Event | None]:
+        """Every event with `sequence_number > after`, stored then live, up to the terminal event.
+
+        Yields None after `idle_seconds` without an event (the SSE relay's heartbeat cue).
+        """
+        position = after
+        while True:  # the replay, page by page
+            page = await read_events(self._redis, response_id, position, count=REPLAY_PAGE)
+            for event in page:
+                yield event
+                if event.is_terminal:
+                    return
+            if len(page) < REPLAY_PAGE:
+                break
+            position = page[-1].sequence_number
+        if page:
+            position = page[-1].sequence_number
+        async for item in self._live(response_id, position, idle_seconds):
+            yield item
+
+    async def _live(self, response_id: str, position: int, idle_seconds: float | None) -> AsyncIterator[Event | None]:
+        key = events_key(response_id)
+        subscriber = _Subscriber(position)
+        self._subscribers.setdefault(key, set()).add(subscriber)
+        await self._poke()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(subscriber.queue.get(), idle_seconds)
+                except TimeoutError:
+                    yield None
+                    continue
+                yield event
+                if event.is_terminal:
+                    return
+        finally:
+            subscribers = self._subscribers.get(key)
+            if subscribers is not None:
+                subscribers.discard(subscriber)
+                if not subscribers:
+                    del self._subscribers[key]
+
+    async def _poke(self) -> bytes:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self._wake, {"w": "1"}, maxlen=10, approximate=False)
+            pipe.expire(self._wake, 3600)
+            entry, _ = await pipe.execute()
+        return bytes(entry)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._read_once()
+            except RedisError:
+                log.exception("tailer: reading streams failed; retrying in 1 s")
+                await asyncio.sleep(1)
+
+    async def _read_once(self) -> None:
+        streams = {self._wake: self._wake_position}
+        for key, subscribers in self._subscribers.items():
+            streams[key] = entry_id(min(subscriber.position for subscriber in subscribers))
+        replies = await self._redis.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
+        for key, entries in replies or []:
+            name = key.decode()
+            if name == self._wake:
+                self._wake_position = entries[-1][0].decode()
+                continue
+            self._deliver(name, entries)
+
+    def _deliver(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for subscriber in self._subscribers.get(key, ()):
+            for entry, fields in entries:
+                sequence = sequence_of(entry)
+                if sequence > subscriber.position:
+                    subscriber.queue.put_nowait(decode_entry(entry, fields))
+                    subscriber.position = sequence
