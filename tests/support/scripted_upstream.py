@@ -1,0 +1,562 @@
+"""The scripted upstream: a real HTTP LLM server that integration tests drive.
+
+Owns the fake "upstream" that respool workers call. It speaks Chat Completions
+(`POST /v1/chat/completions`, like vLLM, Ollama or llama.cpp) and the Responses API
+(`POST /v1/responses`, for native upstreams), answers from per-model scripts, records every
+request and counts open streams. Control routes, which no OpenAI API has:
+
+    POST /_script    {"model": m, "script": {...}}   model m follows the script from now on
+    GET  /_requests  ?model=m                         bodies received, in order, plus "path", "headers"
+    POST /_reset                                      forgets scripts, records and counters
+    GET  /_stats     ?until_active=n&timeout=s        {"active", "max_active", "total"}, once n are open
+
+A script is a JSON object; every key is optional:
+
+    text, words_per_chunk=1    the answer, one chunk per word (a word keeps its trailing space)
+    delay, first_delay         seconds before every SSE frame; extra seconds before the first one
+    finish_reason="stop"       chat only
+    usage                      usage to report instead of word counts; null reports none
+    chunks: [...]              chat only: raw chunks sent as given, or {"delta", "finish_reason"}
+                               and {"usage"} shorthands; then `data: [DONE]`
+    events: [...]              responses only: raw Responses events sent as given
+    status, error, headers     answer this HTTP error with an OpenAI-shaped error body
+    times, then                only the first `times` requests follow this script, later ones `then`
+    hang: true                 send the response headers, then nothing until the client goes away
+    drop_after: K              cut the connection after K SSE frames, without a final chunk
+
+Unscripted models echo: "Hello from the scripted upstream. You said: <last user text>".
+Run: `python -m tests.support.scripted_upstream --port 0` prints `LISTENING http://127.0.0.1:<port>`.
+From a test: `ScriptedUpstream.start()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, cast
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+type Json = dict[str, Any]
+
+DEFAULT_MODEL = "scripted"
+RECORDED_HEADERS = ("authorization",)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE_SECONDS = 20.0
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+DONE_FRAME = b"data: [DONE]\n\n"
+# Cutting a stream on purpose (drop_after) makes uvicorn log this; it is the point, not a fault.
+DROP_LOG_MESSAGE = "ASGI callable returned without completing response."
+
+
+@dataclass
+class UpstreamState:
+    """Scripts, recorded requests and stream counters of one server process."""
+
+    scripts: dict[str, Json] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    records: list[Json] = field(default_factory=list)
+    active: int = 0
+    max_active: int = 0
+    total: int = 0
+    active_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reset(self) -> None:
+        """Forget scripts, records and counts; streams still open stay counted until they close."""
+        self.scripts.clear()
+        self.attempts.clear()
+        self.records.clear()
+        self.max_active = self.active
+        self.total = 0
+
+    def next_script(self, model: str) -> Json:
+        """The script this request follows: a `times`-limited script gives way to its `then`."""
+        script = self.scripts.get(model, {})
+        attempt = self.attempts.get(model, 0)
+        self.attempts[model] = attempt + 1
+        if "times" in script and attempt >= script["times"]:
+            return cast(Json, script.get("then", {}))
+        return script
+
+    def record(self, request: Request, body: Json) -> None:
+        headers = {name: request.headers.get(name) for name in RECORDED_HEADERS}
+        self.records.append({**body, "path": request.url.path, "headers": headers})
+        self.total += 1
+
+    @contextlib.contextmanager
+    def open_stream(self) -> Iterator[None]:
+        self.count_active(+1)
+        try:
+            yield
+        finally:
+            self.count_active(-1)
+
+    def count_active(self, change: int) -> None:
+        self.active += change
+        self.max_active = max(self.max_active, self.active)
+        self.active_changed.set()
+        self.active_changed = asyncio.Event()
+
+    async def wait_for_active(self, count: int) -> None:
+        """Return once exactly `count` streams are open."""
+        while self.active != count:
+            await self.active_changed.wait()
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """When frames go out, and whether the stream hangs or is cut short."""
+
+    delay: float = 0.0
+    first_delay: float = 0.0
+    drop_after: int | None = None
+    is_hang: bool = False
+
+    @classmethod
+    def of(cls, script: Json) -> Pacing:
+        return cls(
+            delay=float(script.get("delay", 0.0)),
+            first_delay=float(script.get("first_delay", 0.0)),
+            drop_after=script.get("drop_after"),
+            is_hang=bool(script.get("hang", False)),
+        )
+
+    def pause_before(self, index: int) -> float:
+        return self.delay + (self.first_delay if index == 0 else 0.0)
+
+
+class StreamEndedError(Exception):
+    """The client went away, or the server began to stop, while a stream was open."""
+
+
+async def end_when_client_goes(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    raise StreamEndedError
+
+
+async def end_when_closing(closing: asyncio.Event) -> None:
+    await closing.wait()
+    raise StreamEndedError
+
+
+class PacedStream(Response):
+    """Sends frames with the script's pacing; a client that goes away ends it at once."""
+
+    def __init__(self, frames: list[bytes], pacing: Pacing, state: UpstreamState, media_type: str) -> None:
+        # Not Response.__init__: that would add `content-length: 0` for an empty body.
+        self.frames, self.pacing, self.state = frames, pacing, state
+        self.status_code, self.media_type, self.background = 200, media_type, None
+        self.init_headers({"cache-control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # uvicorn drops sends after a disconnect silently, so only watching receive() notices it.
+        with self.state.open_stream(), contextlib.suppress(StreamEndedError):
+            async with asyncio.TaskGroup() as tasks:
+                watchers = [
+                    tasks.create_task(end_when_client_goes(receive)),
+                    tasks.create_task(end_when_closing(self.state.closing)),
+                ]
+                await self.send_frames(send)
+                for watcher in watchers:
+                    watcher.cancel()
+
+    async def send_frames(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if self.pacing.is_hang:
+            await asyncio.Event().wait()  # never set: the disconnect watcher ends this stream
+        for index, frame in enumerate(self.frames):
+            if index == self.pacing.drop_after:
+                return  # without the final body message uvicorn closes the connection mid-body
+            await asyncio.sleep(self.pacing.pause_before(index))
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def conversation(items: object) -> list[tuple[str, str]]:
+    """(role, text) of each message in chat `messages` or Responses `input`."""
+    if isinstance(items, str):
+        return [("user", items)]
+    pairs = []
+    for item in items if isinstance(items, list) else []:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        if isinstance(content, str) and "role" in item:
+            pairs.append((str(item["role"]), content))
+    return pairs
+
+
+def script_text(script: Json, turns: list[tuple[str, str]]) -> str:
+    if "text" in script:
+        return str(script["text"])
+    said = next((text for role, text in reversed(turns) if role == "user"), "")
+    return f"Hello from the scripted upstream. You said: {said}"
+
+
+def text_pieces(text: str, words_per_chunk: int) -> list[str]:
+    """The text cut into chunks of whole words, each word keeping the whitespace after it."""
+    words = re.findall(r"\S+\s*|\s+", text)
+    return ["".join(batch) for batch in itertools.batched(words, max(1, words_per_chunk))]
+
+
+def count_words(turns: list[tuple[str, str]]) -> int:
+    return sum(len(text.split()) for _, text in turns)
+
+
+def chat_chunk(envelope: Json, delta: Json, finish_reason: str | None = None) -> Json:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {**envelope, "choices": [choice]}
+
+
+def raw_chat_chunk(envelope: Json, given: Json) -> Json:
+    """A script's raw chunk: full chunks get missing envelope fields, shorthands become choices[0]."""
+    if "object" in given or "choices" in given:
+        return {**envelope, **given}
+    if set(given) == {"usage"}:
+        return {**envelope, "choices": [], "usage": given["usage"]}
+    choice = {"index": 0, "delta": {}, "finish_reason": None, "logprobs": None, **given}
+    return {**envelope, "choices": [choice]}
+
+
+def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bool) -> list[Json]:
+    """Every chat.completion.chunk the script produces, without the closing [DONE]."""
+    if "chunks" in script:
+        return [raw_chat_chunk(envelope, given) for given in script["chunks"]]
+    turns = conversation(body.get("messages"))
+    pieces = text_pieces(script_text(script, turns), int(script.get("words_per_chunk", 1)))
+    deltas = [{"role": "assistant", "content": ""}, *({"content": piece} for piece in pieces)]
+    chunks = [chat_chunk(envelope, delta) for delta in deltas]
+    chunks.append(chat_chunk(envelope, {}, script.get("finish_reason", "stop")))
+    prompt_tokens = count_words(turns)
+    counted = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces)}
+    usage = script.get("usage", {**counted, "total_tokens": prompt_tokens + len(pieces)})
+    if is_usage_wanted and usage is not None:
+        chunks.append({**envelope, "choices": [], "usage": usage})
+    return chunks
+
+
+def merge_tool_call(calls: dict[int, Json], delta: Json) -> None:
+    call = calls.setdefault(delta.get("index", 0), {"id": "", "type": "function"})
+    function = call.setdefault("function", {"name": "", "arguments": ""})
+    call["id"] = delta.get("id") or call["id"]
+    function["name"] += (delta.get("function") or {}).get("name") or ""
+    function["arguments"] += (delta.get("function") or {}).get("arguments") or ""
+
+
+def assemble_completion(chunks: list[Json], envelope: Json) -> Json:
+    """The chat.completion object a non-streaming client gets for the same chunks."""
+    content, finish_reason, usage, calls = "", "stop", None, cast(dict[int, Json], {})
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                merge_tool_call(calls, call)
+            finish_reason = choice.get("finish_reason") or finish_reason
+    message: Json = {"role": "assistant", "content": content or None, "refusal": None}
+    if calls:
+        message["tool_calls"] = [calls[index] for index in sorted(calls)]
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    return {**envelope, "object": "chat.completion", "choices": [choice], "usage": usage}
+
+
+def response_snapshot(body: Json, response_id: str, status: str, output: list[Json], usage: object) -> Json:
+    now = int(time.time())
+    return {
+        "id": response_id, "object": "response", "created_at": now, "status": status,
+        "model": body.get("model", DEFAULT_MODEL), "output": output, "usage": usage,
+        "completed_at": now if status == "completed" else None, "error": None,
+        "incomplete_details": None, "instructions": body.get("instructions"),
+        "metadata": body.get("metadata") or {}, "parallel_tool_calls": True, "tool_choice": "auto",
+        "tools": [], "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "text": {"format": {"type": "text"}}, "background": False,
+    }  # fmt: skip
+
+
+def responses_usage(script: Json, turns: list[tuple[str, str]], output_tokens: int) -> Json | None:
+    input_tokens = count_words(turns)
+    counted = {
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": input_tokens + output_tokens,
+    }  # fmt: skip
+    return cast(Json | None, script.get("usage", counted))
+
+
+def response_events(script: Json, body: Json) -> list[Json]:
+    """The Responses events of one text message, numbered from 0 (PROTOCOL.md §4.1 order)."""
+    if "events" in script:
+        return [{"sequence_number": i, **event} for i, event in enumerate(script["events"])]
+    turns = conversation(body.get("input"))
+    text = script_text(script, turns)
+    pieces = text_pieces(text, int(script.get("words_per_chunk", 1)))
+    response_id, message_id = f"resp_up{uuid.uuid4().hex}", f"msg_up{uuid.uuid4().hex}"
+    started = response_snapshot(body, response_id, "in_progress", [], None)
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    message: Json = {"type": "message", "id": message_id, "role": "assistant", "status": "in_progress"}
+    message["content"] = []
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    full_part, done_message = {**part, "text": text}, {**message, "status": "completed"}
+    done_message["content"] = [full_part]
+    usage = responses_usage(script, turns, len(pieces))
+    events: list[Json] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+        {"type": "response.output_item.added", "output_index": 0, "item": message},
+        {"type": "response.content_part.added", **where, "part": part},
+        *({"type": "response.output_text.delta", **where, "delta": p, "logprobs": []} for p in pieces),
+        {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **where, "part": full_part},
+        {"type": "response.output_item.done", "output_index": 0, "item": done_message},
+        {"type": "response.completed",
+         "response": response_snapshot(body, response_id, "completed", [done_message], usage)},
+    ]  # fmt: skip
+    return [{**event, "sequence_number": number} for number, event in enumerate(events)]
+
+
+def encode(data: object) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def error_response(script: Json) -> JSONResponse:
+    status = int(script["status"])
+    default = {"message": f"scripted upstream error {status}", "param": None, "code": None}
+    error = {**default, "type": ERROR_TYPES.get(status, "server_error"), **script.get("error", {})}
+    return JSONResponse({"error": error}, status_code=status, headers=script.get("headers"))
+
+
+async def answer(request: Request, script: Json, body: Json, frames: list[bytes], final: Json) -> Response:
+    """The HTTP answer a script calls for: an error, a paced stream, or one JSON body."""
+    state = upstream_state(request)
+    pacing = Pacing.of(script)
+    is_stream = bool(body.get("stream"))
+    if "status" in script:
+        return error_response(script)
+    if is_stream or pacing.is_hang:
+        media_type = "text/event-stream" if is_stream else "application/json"
+        return PacedStream(frames, pacing, state, media_type)
+    with state.open_stream():
+        await asyncio.sleep(pacing.first_delay + pacing.delay * len(frames))
+    return JSONResponse(final)
+
+
+def upstream_state(request: Request) -> UpstreamState:
+    return cast(UpstreamState, request.app.state.upstream)
+
+
+async def read_script_and_body(request: Request) -> tuple[Json, Json]:
+    """Record the request and pick the script its model follows."""
+    body = await request.json()
+    body = body if isinstance(body, dict) else {"_body": body}
+    state = upstream_state(request)
+    state.record(request, body)
+    return state.next_script(str(body.get("model", DEFAULT_MODEL))), body
+
+
+async def chat_completions(request: Request) -> Response:
+    script, body = await read_script_and_body(request)
+    envelope = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+        "created": int(time.time()), "model": body.get("model", DEFAULT_MODEL),
+    }  # fmt: skip
+    is_usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
+    streamed = chat_chunks(script, body, envelope, is_usage_wanted=is_usage_wanted)
+    frames = [b"data: " + encode(chunk) + b"\n\n" for chunk in streamed]
+    final = assemble_completion(chat_chunks(script, body, envelope, is_usage_wanted=True), envelope)
+    return await answer(request, script, body, [*frames, DONE_FRAME], final)
+
+
+async def responses(request: Request) -> Response:
+    script, body = await read_script_and_body(request)
+    events = response_events(script, body)
+    frames = [f"event: {event.get('type')}\ndata: ".encode() + encode(event) + b"\n\n" for event in events]
+    return await answer(request, script, body, frames, events[-1].get("response", {}) if events else {})
+
+
+async def list_models(request: Request) -> Response:
+    names = sorted({*upstream_state(request).scripts, DEFAULT_MODEL})
+    models = [{"id": name, "object": "model", "created": 0, "owned_by": "scripted"} for name in names]
+    return JSONResponse({"object": "list", "data": models})
+
+
+async def register_script(request: Request) -> Response:
+    given = await request.json()
+    if not isinstance(given.get("model"), str) or not isinstance(given.get("script"), dict):
+        return JSONResponse({"error": {"message": "expected {model: str, script: object}"}}, 400)
+    state = upstream_state(request)
+    state.scripts[given["model"]] = given["script"]
+    state.attempts.pop(given["model"], None)
+    return JSONResponse({"ok": True})
+
+
+async def recorded_requests(request: Request) -> Response:
+    model = request.query_params.get("model")
+    records = upstream_state(request).records
+    return JSONResponse([record for record in records if model is None or record.get("model") == model])
+
+
+async def reset(request: Request) -> Response:
+    upstream_state(request).reset()
+    return JSONResponse({"ok": True})
+
+
+async def stats(request: Request) -> Response:
+    state = upstream_state(request)
+    if "until_active" in request.query_params:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(float(request.query_params.get("timeout", 10))):
+                await state.wait_for_active(int(request.query_params["until_active"]))
+    return JSONResponse({"active": state.active, "max_active": state.max_active, "total": state.total})
+
+
+def create_app(state: UpstreamState) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/_script", register_script, methods=["POST"]),
+            Route("/_requests", recorded_requests, methods=["GET"]),
+            Route("/_reset", reset, methods=["POST"]),
+            Route("/_stats", stats, methods=["GET"]),
+        ]
+    )
+    app.state.upstream = state
+    return app
+
+
+class UpstreamServer(uvicorn.Server):
+    """A uvicorn server that cuts open streams when told to stop, since hung ones never finish."""
+
+    def __init__(self, config: uvicorn.Config, state: UpstreamState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.closing.set()
+        await super().shutdown(sockets)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening socket: connections queue in its backlog from now on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Scripted upstream LLM server for tests.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    sock = listening_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("uvicorn.error").addFilter(lambda record: record.getMessage() != DROP_LOG_MESSAGE)
+    print(f"LISTENING http://{host}:{port}", flush=True)
+    state = UpstreamState()
+    # The graceful timeout only bounds non-streamed answers still sleeping through their delays.
+    config = uvicorn.Config(
+        create_app(state), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        UpstreamServer(config, state).run(sockets=[sock])
+
+
+class UpstreamStartError(RuntimeError):
+    """The scripted upstream process did not report that it listens."""
+
+
+def read_listening_url(process: subprocess.Popen[str], timeout: float) -> str:
+    """The base URL from the child's `LISTENING <url>` line, or UpstreamStartError."""
+    assert process.stdout is not None
+    is_ready = bool(select.select([process.stdout], [], [], timeout)[0])
+    line = process.stdout.readline() if is_ready else ""
+    if not line.startswith("LISTENING "):
+        process.kill()
+        process.wait()
+        raise UpstreamStartError(f"no LISTENING line within {timeout}s (exit {process.returncode}): {line!r}")
+    return line.split()[1]
+
+
+class ScriptedUpstream:
+    """Starts the server as a subprocess; .url is "http://127.0.0.1:<port>/v1"."""
+
+    def __init__(self, process: subprocess.Popen[str], base_url: str) -> None:
+        self.process = process
+        self.base_url = base_url
+        self.url = f"{base_url}/v1"
+        self.client = httpx.Client(base_url=base_url, timeout=10.0)
+
+    @classmethod
+    def start(cls) -> ScriptedUpstream:
+        command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", "0"]
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        return cls(process, read_listening_url(process, START_DEADLINE_SECONDS))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def script(self, model: str, script: Json) -> None:
+        self.client.post("/_script", json={"model": model, "script": script}).raise_for_status()
+
+    def requests(self, model: str | None = None) -> list[Json]:
+        params = {} if model is None else {"model": model}
+        response = self.client.get("/_requests", params=params)
+        response.raise_for_status()
+        return cast(list[Json], response.json())
+
+    def stats(self, until_active: int | None = None, timeout: float = 5.0) -> Json:
+        """Stream counters; with `until_active`, read once that many streams are open (or at timeout)."""
+        params = {} if until_active is None else {"until_active": until_active, "timeout": timeout}
+        response = self.client.get("/_stats", params=params, timeout=timeout + 5)
+        response.raise_for_status()
+        return cast(Json, response.json())
+
+    def reset(self) -> None:
+        self.client.post("/_reset").raise_for_status()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Real respool processes for integration tests: `respool api` and `respool worker`, on real servers.
+
+The servers are the ones `RESPOOL_REDIS_URL` / `RESPOOL_DATABASE_URL` name (CI's second pass uses
+the machine's Redis 7 and Postgres 15), or else embedded ones started for the session, exactly as
+`respool up` starts them. Each session gets a database and a queue of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+from sqlalchemy import create_engine, make_url, text
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for(check: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> T:
+    """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or check}")
+        time.sleep(interval)
+
+
+@dataclass
+class Servers:
+    redis_url: str
+    database_url: str
+
+
+@contextmanager
+def servers(tmp: Path) -> Iterator[Servers]:
+    """Redis and a fresh Postgres database for one test session."""
+    stops: list[Callable[[], None]] = []
+    try:
+        redis_url = os.environ.get("RESPOOL_REDIS_URL", "")
+        database_url = os.environ.get("RESPOOL_DATABASE_URL", "")
+        if not redis_url or not database_url:
+            from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+
+            redis = EmbeddedRedis.start(tmp / "embedded")
+            postgres = EmbeddedPostgres.start(tmp / "embedded")
+            stops += [redis.stop, postgres.stop]
+            redis_url, database_url = redis.url, postgres.url
+        database, drop = _fresh_database(database_url)
+        stops.append(drop)
+        yield Servers(redis_url, database)
+    finally:
+        for stop in reversed(stops):
+            stop()
+
+
+def _fresh_database(url: str) -> tuple[str, Callable[[], None]]:
+    from worker.store import async_url
+
+    name = f"respool_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(async_url(url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return make_url(async_url(url)).set(database=name).render_as_string(hide_password=False), drop
+
+
+@dataclass
+class Stack:
+    """A set of respool processes sharing one environment."""
+
+    env: dict[str, str]
+    logs: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    url: str = ""
+
+    def run(self, *args: str) -> None:
+        """Run a one-shot `respool` command (e.g. `migrate`) to completion."""
+        subprocess.run([sys.executable, "-m", "api", *args], env=self.env, cwd=ROOT, check=True, timeout=120)
+
+    def start_api(self, name: str = "api") -> str:
+        port = free_port()
+        self._spawn(name, "api", "--host", "127.0.0.1", "--port", str(port))
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url, self.processes[name]), timeout=30, what=f"{name} to listen")
+        self.url = self.url or url
+        return url
+
+    def start_worker(self, name: str = "worker", *args: str) -> None:
+        self._spawn(name, "worker", *args)
+
+    def _spawn(self, name: str, *args: str) -> None:
+        with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "api", *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        process = self.processes.pop(name)
+        if process.poll() is None:
+            process.send_signal(sig)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+
+def _healthy(url: str, process: subprocess.Popen[bytes]) -> bool:
+    if process.poll() is not None:
+        raise AssertionError(f"the process exited with {process.returncode} before it listened")
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
