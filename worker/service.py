@@ -63,7 +63,7 @@ class ResponseService:
         self.redis = redis
         self.queue: Queue = response_queue(sync_redis, settings.queue)
         self.routes: Routes = load_routes(settings)
-        self.tailer = Tailer(Redis.from_url(settings.redis_url, max_connections=1))
+        self.tailer = Tailer(redis, Redis.from_url(settings.redis_url, max_connections=1))
         self.leases = Leases(redis, settings.lease_seconds)
         self.log = EventLog(redis)
         self.holder = f"api:{new_id('proc')}"

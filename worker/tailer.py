@@ -35,8 +35,9 @@ class _Subscriber:
 class Tailer:
     """Relays live events of many responses to many readers over one blocking connection."""
 
-    def __init__(self, redis: Redis, block_ms: int = 10_000) -> None:
-        self._redis = redis  # a client of its own: XREAD BLOCK holds a connection
+    def __init__(self, redis: Redis, blocking: Redis, block_ms: int = 10_000) -> None:
+        self._redis = redis  # the process's pool: replays and wake-ups
+        self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
         self._block_ms = block_ms
         self._wake = wake_key(uuid.uuid4().hex)
         self._wake_position = "0-0"
@@ -53,6 +54,7 @@ class Tailer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._redis.delete(self._wake)
+        await self._blocking.aclose()
 
     async def follow(
         self, response_id: str, after: int = -1, idle_seconds: float | None = None
@@ -117,7 +119,7 @@ class Tailer:
         streams = {self._wake: self._wake_position}
         for key, subscribers in self._subscribers.items():
             streams[key] = entry_id(min(subscriber.position for subscriber in subscribers))
-        replies = await self._redis.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
+        replies = await self._blocking.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
         for key, entries in replies or []:
             name = key.decode()
             if name == self._wake:

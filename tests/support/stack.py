@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import httpx
 from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -78,14 +79,13 @@ def _fresh_database(url: str) -> tuple[str, Callable[[], None]]:
     from worker.store import async_url
 
     name = f"respool_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(async_url(url), isolation_level="AUTOCOMMIT")
+    admin = create_engine(async_url(url), isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
 
     def drop() -> None:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
     return make_url(async_url(url)).set(database=name).render_as_string(hide_password=False), drop
 
