@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--host", help="address (RESPOOL_HOST)")
     api.add_argument("--port", type=int, help="port (RESPOOL_PORT)")
     worker = commands.add_parser("worker", help="run one worker process")
-    worker.add_argument("--concurrency", type=int, help="responses held at once (RESPOOL_CONCURRENCY, default 256)")
+    worker.add_argument(
+        "--concurrency", type=int, help="responses held at once (RESPOOL_CONCURRENCY, default 256)"
+    )
     return parser
 
 

@@ -33,9 +33,7 @@ class RespoolError(Exception):
 
     def to_body(self) -> dict[str, object]:
         """The error envelope, `{"error": {message, type, param, code}}`."""
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class InvalidRequestError(RespoolError):

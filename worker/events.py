@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
@@ -29,6 +29,10 @@ for i = 2, #ARGV, 3 do
 end
 return redis.call('EXISTS', KEYS[3])
 """
+
+
+# A stream entry as redis-py returns it: (entry id, fields).
+Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 @dataclass(frozen=True)
@@ -77,19 +81,23 @@ def decode_entry(entry_id_: bytes, fields: dict[bytes, bytes]) -> Event:
 def add_events(pipe: Any, response_id: str, events: list[Event]) -> None:
     """Queue unfenced XADDs on a (sync or async) pipeline: only for the API's first events (DESIGN.md §3)."""
     for event in events:
-        pipe.xadd(events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number))
+        pipe.xadd(
+            events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number)
+        )
 
 
-async def read_events(redis: Redis, response_id: str, after: int = -1, count: int | None = None) -> list[Event]:
+async def read_events(
+    redis: Redis, response_id: str, after: int = -1, count: int | None = None
+) -> list[Event]:
     """The stored events with `sequence_number > after` (`starting_after`, PROTOCOL.md §6.3)."""
     start = f"({entry_id(after)}" if after >= 0 else "-"
-    entries = await redis.xrange(events_key(response_id), min=start, max="+", count=count)
+    entries = cast(list[Entry], await redis.xrange(events_key(response_id), min=start, max="+", count=count))
     return [decode_entry(entry_id_, fields) for entry_id_, fields in entries]
 
 
 async def last_event(redis: Redis, response_id: str) -> Event | None:
     """The newest event of a response's stream, if any."""
-    entries = await redis.xrevrange(events_key(response_id), max="+", min="-", count=1)
+    entries = cast(list[Entry], await redis.xrevrange(events_key(response_id), max="+", min="-", count=1))
     return decode_entry(*entries[0]) if entries else None
 
 

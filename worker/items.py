@@ -74,7 +74,9 @@ def _content_parts(role: str, content: object, where: str) -> list[dict[str, Any
             return [{"type": "output_text", "text": content, "annotations": []}]
         return [{"type": "input_text", "text": content}]
     if not isinstance(content, list):
-        raise InvalidRequestError("Message content must be a string or a list of parts.", param=f"{where}.content")
+        raise InvalidRequestError(
+            "Message content must be a string or a list of parts.", param=f"{where}.content"
+        )
     allowed = ASSISTANT_PARTS | INPUT_PARTS if role == "assistant" else INPUT_PARTS
     for index, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in allowed:

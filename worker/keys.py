@@ -31,7 +31,12 @@ def cancel_key(response_id: str) -> str:
 
 def response_keys(response_id: str) -> list[str]:
     """All of a response's own keys (for delete)."""
-    return [events_key(response_id), lease_key(response_id), attempt_key(response_id), cancel_key(response_id)]
+    return [
+        events_key(response_id),
+        lease_key(response_id),
+        attempt_key(response_id),
+        cancel_key(response_id),
+    ]
 
 
 def wake_key(process_id: str) -> str:

@@ -68,7 +68,9 @@ class Leases:
             return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for lease in leases:
-                await self._renew(keys=[lease_key(lease.response_id)], args=[lease.value, self._ttl_ms], client=pipe)
+                await self._renew(
+                    keys=[lease_key(lease.response_id)], args=[lease.value, self._ttl_ms], client=pipe
+                )
             results = await pipe.execute()
         return [lease for lease, kept in zip(leases, results, strict=True) if not kept]
 

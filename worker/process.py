@@ -108,7 +108,7 @@ class ResponseWorker(BaseWorker):
         self._call(close_runtime(self._runtime))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        super().teardown()
+        super().teardown()  # type: ignore[no-untyped-call]
 
     # Internals -----------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ TERMINAL = (Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED
 TERMINAL_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete"})
 
 
-def build_response(request: CreateRequest, response_id: str, created_at: int, status: Status) -> dict[str, Any]:
+def build_response(
+    request: CreateRequest, response_id: str, created_at: int, status: Status
+) -> dict[str, Any]:
     """The Response as it stands before any output: echoes the request (PROTOCOL.md §1.2)."""
     text = request.text or {}
     return {
@@ -87,6 +89,8 @@ def finished(
     return done
 
 
-def failed(response: dict[str, Any], message: str, completed_at: int, code: str = "server_error") -> dict[str, Any]:
+def failed(
+    response: dict[str, Any], message: str, completed_at: int, code: str = "server_error"
+) -> dict[str, Any]:
     """A copy of `response` as `failed`, with a `ResponseError` (PROTOCOL.md §1.3)."""
     return finished(response, Status.FAILED, completed_at, error={"code": code, "message": message})

@@ -186,7 +186,9 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
     route = rt.routes.resolve(stored.request["model"])
     if route.api is UpstreamApi.RESPONSES:
         return await _generate_native(rt, writer, stored, route)
-    body = chat_request.to_chat_request(stored.request, stored.conversation, route.upstream_model or route.model)
+    body = chat_request.to_chat_request(
+        stored.request, stored.conversation, route.upstream_model or route.model
+    )
     include = stored.request.get("include") or []
     state = chat_stream.start_stream(include_logprobs="message.output_text.logprobs" in include)
     async for chunk in _chat_chunks(rt, route, body):
@@ -208,7 +210,9 @@ def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterat
 async def _generate_native(
     rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, route: Route
 ) -> chat_stream.Outcome:
-    body = native.to_responses_request(stored.request, stored.conversation, route.upstream_model or route.model)
+    body = native.to_responses_request(
+        stored.request, stored.conversation, route.upstream_model or route.model
+    )
     state = native.NativeStream()
     async for upstream_event in stream_json(rt.http, route, "/responses", body):
         events = native.translate_event(state, upstream_event)
@@ -217,7 +221,9 @@ async def _generate_native(
     return native.finish_stream(state)
 
 
-async def _finish(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]) -> None:
+async def _finish(
+    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]
+) -> None:
     """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored."""
     attempt = writer.lease.attempt
     async with rt.engine.begin() as conn:

@@ -102,7 +102,9 @@ class ResponseService:
         await self._enqueue(request, response)
         return Created(response, request)
 
-    async def _history(self, conn: AsyncConnection, owner: str, previous_id: str | None) -> list[dict[str, Any]]:
+    async def _history(
+        self, conn: AsyncConnection, owner: str, previous_id: str | None
+    ) -> list[dict[str, Any]]:
         """The earlier turns: the previous response's conversation and its output (one row read)."""
         if previous_id is None:
             return []
@@ -145,7 +147,9 @@ class ResponseService:
                 param="stream",
             )
 
-    def follow(self, response_id: str, after: int = -1, idle_seconds: float | None = None) -> AsyncIterator[Event | None]:
+    def follow(
+        self, response_id: str, after: int = -1, idle_seconds: float | None = None
+    ) -> AsyncIterator[Event | None]:
         """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3)."""
         return self.tailer.follow(response_id, after, idle_seconds)
 
@@ -163,7 +167,9 @@ class ResponseService:
         """A page of the response's input items (PROTOCOL.md §5.1)."""
         await self._stored(owner, response_id)
         async with _database(), self.engine.connect() as conn:
-            items, has_more = await store.list_input_items(conn, response_id, after=after, limit=limit, order=order)
+            items, has_more = await store.list_input_items(
+                conn, response_id, after=after, limit=limit, order=order
+            )
         return {
             "object": "list",
             "data": items,
@@ -243,7 +249,9 @@ def _check_translatable(route: Route, request: CreateRequest, conversation: list
         chat_request.to_chat_request(request.model_dump(exclude_unset=True), conversation, route.model)
 
 
-def _row(owner: str, request: CreateRequest, response: dict[str, Any], conversation: list[dict[str, Any]]) -> dict[str, Any]:
+def _row(
+    owner: str, request: CreateRequest, response: dict[str, Any], conversation: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "id": response["id"],
         "owner": owner,
@@ -265,7 +273,9 @@ class _database:
     async def __aenter__(self) -> None:
         return None
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         if isinstance(exc, SQLAlchemyError) and _is_connection_error(exc):
             raise UnavailableError("The database is unavailable; retry the request shortly.") from exc
 

@@ -71,7 +71,9 @@ async def insert_response(
         await conn.execute(insert(InputItemRow), items)
 
 
-async def get_response(conn: AsyncConnection, response_id: str, owner: str | None = None) -> StoredResponse | None:
+async def get_response(
+    conn: AsyncConnection, response_id: str, owner: str | None = None
+) -> StoredResponse | None:
     """The row `response_id`, if it exists (and belongs to `owner`, when one is given)."""
     query = select(*_COLUMNS).where(ResponseRow.id == response_id)
     if owner is not None:
@@ -167,7 +169,9 @@ async def list_input_items(
             .where(InputItemRow.response_id == response_id, InputItemRow.item_id == after)
             .scalar_subquery()
         )
-        query = query.where(InputItemRow.position > cursor if order == "asc" else InputItemRow.position < cursor)
+        query = query.where(
+            InputItemRow.position > cursor if order == "asc" else InputItemRow.position < cursor
+        )
     position = InputItemRow.position.asc() if order == "asc" else InputItemRow.position.desc()
     rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
     return [dict(item) for item in rows[:limit]], len(rows) > limit

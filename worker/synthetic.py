@@ -31,7 +31,9 @@ def _text(content: Any) -> str:
     return ""
 
 
-async def synthetic_chunks(chat_request: dict[str, Any], delay_seconds: float) -> AsyncIterator[dict[str, Any]]:
+async def synthetic_chunks(
+    chat_request: dict[str, Any], delay_seconds: float
+) -> AsyncIterator[dict[str, Any]]:
     """The reply as Chat Completions chunks, one word each, then a usage chunk."""
     words = reply_text(chat_request).split(" ")
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in chat_request.get("messages", []))

@@ -14,11 +14,12 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from worker.events import Event, decode_entry, entry_id, read_events, sequence_of
+from worker.events import Entry, Event, decode_entry, entry_id, read_events, sequence_of
 from worker.keys import events_key, wake_key
 
 log = logging.getLogger("respool.tailer")
@@ -78,7 +79,9 @@ class Tailer:
         async for item in self._live(response_id, position, idle_seconds):
             yield item
 
-    async def _live(self, response_id: str, position: int, idle_seconds: float | None) -> AsyncIterator[Event | None]:
+    async def _live(
+        self, response_id: str, position: int, idle_seconds: float | None
+    ) -> AsyncIterator[Event | None]:
         key = events_key(response_id)
         subscriber = _Subscriber(position)
         self._subscribers.setdefault(key, set()).add(subscriber)
@@ -119,15 +122,15 @@ class Tailer:
         streams = {self._wake: self._wake_position}
         for key, subscribers in self._subscribers.items():
             streams[key] = entry_id(min(subscriber.position for subscriber in subscribers))
-        replies = await self._blocking.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
-        for key, entries in replies or []:
-            name = key.decode()
+        reply = await self._blocking.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
+        for stream, entries in cast(list[tuple[bytes, list[Entry]]], reply or []):
+            name = stream.decode()
             if name == self._wake:
                 self._wake_position = entries[-1][0].decode()
                 continue
             self._deliver(name, entries)
 
-    def _deliver(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _deliver(self, key: str, entries: list[Entry]) -> None:
         for subscriber in self._subscribers.get(key, ()):
             for entry, fields in entries:
                 sequence = sequence_of(entry)

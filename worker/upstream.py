@@ -39,7 +39,9 @@ async def stream_json(
     if key:
         headers["authorization"] = f"Bearer {key}"
     try:
-        async with client.stream("POST", route.base_url + path, content=orjson.dumps(body), headers=headers) as reply:
+        async with client.stream(
+            "POST", route.base_url + path, content=orjson.dumps(body), headers=headers
+        ) as reply:
             if reply.status_code >= 400:
                 raise UpstreamError(await _error_message(reply), reply.status_code)
             async for line in reply.aiter_lines():
@@ -62,7 +64,7 @@ def _data(line: str) -> dict[str, Any] | None:
         raise UpstreamError(f"the upstream sent a line that is not JSON: {text[:200]!r}") from exc
     if not isinstance(payload, dict):
         raise UpstreamError(f"the upstream sent a JSON value that is not an object: {text[:200]!r}")
-    if "error" in payload and payload["error"]:
+    if payload.get("error"):
         raise UpstreamError(f"the upstream reported an error: {_message_of(payload)}")
     return payload
 

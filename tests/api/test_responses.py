@@ -46,7 +46,9 @@ def test_foreground_create_returns_the_finished_response(client: openai.OpenAI, 
     assert client.responses.retrieve(response.id).output_text == ECHO + "foreground"
 
 
-def test_every_event_goes_through_the_stream_even_without_streaming(client: openai.OpenAI, model: str) -> None:
+def test_every_event_goes_through_the_stream_even_without_streaming(
+    client: openai.OpenAI, model: str
+) -> None:
     """A non-streaming response's events are all in its stream: replay gives created … completed in order."""
     response = client.responses.create(model=model, input="events")
     events = list(client.responses.retrieve(response.id, stream=True))
@@ -136,7 +138,9 @@ def test_input_items_page_by_cursor(client: openai.OpenAI, model: str, order: st
     response = client.responses.create(model=model, input=[{"role": "user", "content": t} for t in texts])
     first = client.responses.input_items.list(response.id, limit=3, order=order)  # type: ignore[arg-type]
     assert first.has_more is True and len(first.data) == 3
-    seen = [item.content[0].text for item in client.responses.input_items.list(response.id, limit=3, order=order)]  # type: ignore[union-attr,arg-type]
+    seen = [
+        item.content[0].text for item in client.responses.input_items.list(response.id, limit=3, order=order)
+    ]  # type: ignore[union-attr,arg-type]
     assert seen == (texts if order == "asc" else texts[::-1])
     default = client.responses.input_items.list(response.id)
     assert default.data[0].content[0].text == "message 6"  # type: ignore[union-attr]
@@ -154,7 +158,9 @@ def test_three_turn_chain_sends_every_turn_upstream(
     )
     assert third.previous_response_id == second.id
     sent = upstream.requests(model)[-1]["messages"]
-    assert [(m["role"], m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]) for m in sent] == [
+    assert [
+        (m["role"], m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]) for m in sent
+    ] == [
         ("system", "be brief"),
         ("user", "one"),
         ("assistant", ECHO + "one"),
@@ -183,7 +189,7 @@ def test_native_upstream(client: openai.OpenAI, upstream: ScriptedUpstream) -> N
 def test_synthetic_model_needs_no_upstream(client: openai.OpenAI) -> None:
     """The built-in synthetic model answers deterministically."""
     response = client.responses.create(model="synthetic", input="Hello!")
-    assert response.output_text == "This is respool's synthetic model. You said: \"Hello!\""
+    assert response.output_text == 'This is respool\'s synthetic model. You said: "Hello!"'
 
 
 def test_models_lists_what_is_routed(client: openai.OpenAI) -> None:
@@ -191,9 +197,13 @@ def test_models_lists_what_is_routed(client: openai.OpenAI) -> None:
     assert {"synthetic", NATIVE_MODEL} <= {model.id for model in client.models.list()}
 
 
-def test_upstream_error_fails_the_response(client: openai.OpenAI, upstream: ScriptedUpstream, model: str) -> None:
+def test_upstream_error_fails_the_response(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
     """An upstream 400 ends the response `failed` with the upstream's message, not an HTTP 5xx."""
-    upstream.script(model, {"status": 400, "error": {"message": "context too long", "type": "invalid_request_error"}})
+    upstream.script(
+        model, {"status": 400, "error": {"message": "context too long", "type": "invalid_request_error"}}
+    )
     response = client.responses.create(model=model, input="x")
     assert response.status == "failed"
     assert response.error is not None and "context too long" in response.error.message

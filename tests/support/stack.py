@@ -18,14 +18,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -35,7 +33,9 @@ def free_port() -> int:
         return port
 
 
-def wait_for(check: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> T:
+def wait_for[T](
+    check: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.05, what: str = ""
+) -> T:
     """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -117,7 +117,11 @@ class Stack:
     def _spawn(self, name: str, *args: str) -> None:
         with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "api", *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "api", *args],
+                env=self.env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int:

@@ -22,7 +22,15 @@ from typing import Any
 
 from worker.translation.chat_stream import Outcome
 
-_NOT_FORWARDED = {"background", "store", "previous_response_id", "stream", "stream_options", "metadata", "input"}
+_NOT_FORWARDED = {
+    "background",
+    "store",
+    "previous_response_id",
+    "stream",
+    "stream_options",
+    "metadata",
+    "input",
+}
 _LIFECYCLE = {"response.created", "response.queued", "response.in_progress"}
 _DONE = {"response.completed", "response.incomplete"}
 
@@ -37,7 +45,9 @@ class NativeStream:
     output: list[dict[str, Any]] = field(default_factory=list)
 
 
-def to_responses_request(request: dict[str, Any], conversation: list[dict[str, Any]], model: str) -> dict[str, Any]:
+def to_responses_request(
+    request: dict[str, Any], conversation: list[dict[str, Any]], model: str
+) -> dict[str, Any]:
     """The body for the upstream's `POST /responses`."""
     body = {key: value for key, value in request.items() if key not in _NOT_FORWARDED and value is not None}
     body.update(model=model, input=[_strip(item) for item in conversation], store=False, stream=True)

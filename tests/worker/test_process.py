@@ -1,0 +1,44 @@
+"""The worker process: many responses at once on one event loop, with RQ's registries kept true."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.registry import FinishedJobRegistry, StartedJobRegistry
+
+from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.stack import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+HELD = 200
+
+
+def test_one_worker_holds_200_responses_at_once(
+    client: openai.OpenAI, upstream: ScriptedUpstream, stack: Stack, model: str
+) -> None:
+    """One worker process streams 200 responses concurrently from a slow upstream, and RQ shows them running."""
+    upstream.script(model, {"text": " ".join(["slow"] * 12), "delay": 0.5})
+    with ThreadPoolExecutor(16) as pool:
+        created = list(
+            pool.map(
+                lambda n: client.responses.create(model=model, input=f"n{n}", background=True), range(HELD)
+            )
+        )
+    assert upstream.stats(until_active=HELD, timeout=60)["active"] == HELD
+    queue = Queue(stack.env["RESPOOL_QUEUE"], connection=Redis.from_url(stack.env["RESPOOL_REDIS_URL"]))
+    running = set(StartedJobRegistry(queue=queue).get_job_ids())
+    assert {response.id for response in created} <= running
+    finished = FinishedJobRegistry(queue=queue)
+    wait_for(
+        lambda: {r.id for r in created} <= set(finished.get_job_ids()),
+        timeout=90,
+        what="all 200 jobs finished",
+    )
+    statuses = {client.responses.retrieve(response.id).status for response in created}
+    assert statuses == {"completed"}
+    queue.connection.close()

@@ -1,0 +1,488 @@
+"""Chat Completions chunks => Responses events, on chunk sequences in the shapes real servers send."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types.responses import ResponseOutputItem, ResponseStreamEvent, ResponseUsage
+from pydantic import TypeAdapter
+
+from tests.support.schema import validate_event, validate_response
+from worker.errors import RespoolError
+from worker.translation.chat_stream import Outcome, finish_stream, start_stream, translate_chunk
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EVENT = TypeAdapter(ResponseStreamEvent)
+OUTPUT_ITEM = TypeAdapter(ResponseOutputItem)
+
+ADDED, DONE = "response.output_item.added", "response.output_item.done"
+_PREFIXES = {
+    "text": "response.output_text",
+    "refusal": "response.refusal",
+    "reasoning": "response.reasoning_text",
+}
+CALL_DONE = ["response.function_call_arguments.done", DONE]
+
+
+def part(kind: str, deltas: int) -> list[str]:
+    """The events of one content part with `deltas` deltas."""
+    prefix = _PREFIXES[kind]
+    return [
+        "response.content_part.added",
+        *[f"{prefix}.delta"] * deltas,
+        f"{prefix}.done",
+        "response.content_part.done",
+    ]
+
+
+def item(kind: str, deltas: int) -> list[str]:
+    """The events of a message or reasoning item with one part."""
+    return [ADDED, *part(kind, deltas), DONE]
+
+
+def call(deltas: int) -> list[str]:
+    """A function call's `.added` and argument deltas (its `.done` events come later)."""
+    return [ADDED, *["response.function_call_arguments.delta"] * deltas]
+
+
+def run(
+    chunks: list[dict[str, Any]], *, include_logprobs: bool = False
+) -> tuple[list[dict[str, Any]], Outcome]:
+    state = start_stream(include_logprobs=include_logprobs)
+    events = [event for chunk in chunks for event in translate_chunk(state, chunk)]
+    closing, outcome = finish_stream(state)
+    return events + closing, outcome
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    chunks: list[dict[str, Any]] = json.loads((FIXTURES / name).read_text(encoding="utf-8"))["chunks"]
+    return chunks
+
+
+def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output items a client rebuilds from `.added` events and deltas alone."""
+    items: dict[int, dict[str, Any]] = {}
+    for event in events:
+        kind, index = event["type"], event.get("output_index")
+        if kind == ADDED:
+            items[index] = copy.deepcopy(event["item"])
+        elif kind == "response.content_part.added":
+            items[index]["content"].append(copy.deepcopy(event["part"]))
+        elif kind == "response.function_call_arguments.delta":
+            items[index]["arguments"] += event["delta"]
+        elif kind.endswith(".delta"):
+            target = items[index]["content"][event["content_index"]]
+            target["refusal" if target["type"] == "refusal" else "text"] += event["delta"]
+            target.get("logprobs", []).extend(event.get("logprobs", []))
+        elif kind == DONE:
+            items[index]["status"] = event["item"]["status"]
+    return [items[index] for index in sorted(items)]
+
+
+def texts(output: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """Each output item as (type, status, its full text or arguments)."""
+    summary = []
+    for entry in output:
+        if entry["type"] == "function_call":
+            text = f"{entry['name']}{entry['arguments']}"
+        else:
+            text = "|".join(p.get("text", p.get("refusal", "")) for p in entry["content"])
+        summary.append((entry["type"], entry["status"], text))
+    return summary
+
+
+def usage(prompt: int, completion: int, *, cached: int = 0, reasoning: int = 0) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + completion,
+    }
+
+
+def as_response(outcome: Outcome) -> dict[str, Any]:
+    """A full Response carrying `outcome`, for schema validation."""
+    nulls = (
+        "previous_response_id",
+        "instructions",
+        "error",
+        "reasoning",
+        "max_output_tokens",
+        "max_tool_calls",
+    )
+    return {
+        **dict.fromkeys(nulls),
+        **dict.fromkeys(("safety_identifier", "prompt_cache_key", "metadata")),
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "completed_at": 2 if outcome.status == "completed" else None,
+        "status": outcome.status,
+        "incomplete_details": outcome.incomplete_details,
+        "model": "m",
+        "output": outcome.output,
+        "tools": [],
+        "tool_choice": "auto",
+        "truncation": "disabled",
+        "parallel_tool_calls": True,
+        "text": {"format": {"type": "text"}},
+        "top_p": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,
+        "temperature": 1.0,
+        "usage": outcome.usage,
+        "store": True,
+        "background": False,
+        "service_tier": "default",
+    }
+
+
+CASES = [
+    pytest.param(
+        "openai_text.json",
+        item("text", 4),
+        [("message", "completed", "Hello! How can I help?")],
+        usage(19, 9),
+        id="openai-text",
+    ),
+    pytest.param(
+        "openai_refusal.json",
+        item("refusal", 3),
+        [("message", "completed", "I'm sorry, I can't help with that.")],
+        usage(41, 8),
+        id="openai-refusal",
+    ),
+    pytest.param(
+        "openai_parallel_tool_calls.json",
+        [*call(3), *call(3), *call(2), *CALL_DONE * 3],
+        [
+            ("function_call", "completed", 'get_weather{"location": "Paris"}'),
+            ("function_call", "completed", 'get_weather{"location": "Tokyo"}'),
+            ("function_call", "completed", 'get_time{"tz": "Asia/Tokyo"}'),
+        ],
+        usage(82, 64),
+        id="openai-parallel-tool-calls",
+    ),
+    pytest.param(
+        "openai_usage_cached_reasoning.json",
+        item("text", 2),
+        [("message", "completed", "The answer is 42.")],
+        usage(1924, 412, cached=1792, reasoning=384),
+        id="openai-usage-cached-reasoning",
+    ),
+    pytest.param(
+        "azure_openai_content_filter.json",
+        item("text", 3),
+        [("message", "incomplete", "The duel began at dawn")],
+        usage(27, 6),
+        id="azure-content-filter",
+    ),
+    pytest.param(
+        "vllm_reasoning_content.json",
+        [*item("reasoning", 4), *item("text", 2)],
+        [
+            ("reasoning", "completed", "Compare 9.11 and 9.8: 0.8 > 0.11."),
+            ("message", "completed", "9.8 is greater."),
+        ],
+        usage(17, 43),
+        id="vllm-reasoning_content",
+    ),
+    pytest.param(
+        "vllm_reasoning.json",
+        [*item("reasoning", 2), *item("text", 2)],
+        [("reasoning", "completed", "The user greets me."), ("message", "completed", "\n\nHi there!")],
+        usage(12, 28, cached=8),
+        id="vllm-reasoning",
+    ),
+    pytest.param(
+        "vllm_length.json",
+        item("text", 5),
+        [("message", "incomplete", "Once upon a time,")],
+        usage(20, 6),
+        id="vllm-length",
+    ),
+    pytest.param(
+        "vllm_tool_call_then_text.json",
+        [*call(3), *CALL_DONE, *item("text", 2)],
+        [
+            ("function_call", "completed", 'get_weather{"city": "Paris"}'),
+            ("message", "completed", "I'll check the weather."),
+        ],
+        usage(210, 35),
+        id="vllm-tool-call-then-text",
+    ),
+    pytest.param(
+        "ollama_reasoning_tool_call.json",
+        [*item("reasoning", 3), *call(1), *CALL_DONE],
+        [
+            ("reasoning", "completed", "Need the weather tool."),
+            ("function_call", "completed", 'get_weather{"city":"Paris"}'),
+        ],
+        usage(160, 31),
+        id="ollama-reasoning-tool-call",
+    ),
+    pytest.param(
+        "ollama_no_usage.json",
+        item("text", 3),
+        [("message", "completed", "Hi there.")],
+        None,
+        id="ollama-no-usage",
+    ),
+    pytest.param(
+        "llamacpp_reasoning_content.json",
+        [*item("reasoning", 2), *item("text", 2)],
+        [("reasoning", "completed", "User says hi."), ("message", "completed", "Hello!")],
+        usage(75, 9),
+        id="llamacpp-reasoning_content",
+    ),
+    pytest.param(
+        "llamacpp_usage_on_finish.json",
+        item("text", 2),
+        [("message", "completed", "Hello there")],
+        usage(1085, 2),
+        id="llamacpp-usage-on-finish-chunk",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fixture", "expected_types", "expected_items", "expected_usage"), CASES)
+def test_event_sequence(
+    fixture: str, expected_types: list[str], expected_items: list[tuple[str, str, str]], expected_usage: Any
+) -> None:
+    """A recorded upstream stream becomes exactly the expected events, items and usage."""
+    events, outcome = run(load(fixture))
+    assert [event["type"] for event in events] == expected_types
+    assert texts(outcome.output) == expected_items
+    assert outcome.usage == expected_usage
+
+
+@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+def test_events_add_up_to_the_output(fixture: str) -> None:
+    """A client folding the deltas gets the same items the `.done` events and the outcome carry."""
+    events, outcome = run(load(fixture))
+    assert fold(events) == outcome.output
+    done = {event["output_index"]: event["item"] for event in events if event["type"] == DONE}
+    assert [done[index] for index in sorted(done)] == outcome.output
+
+
+@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+def test_events_keep_the_sdk_order_rules(fixture: str) -> None:
+    """Items are added before their deltas and parts, get rising output indexes, and are all done (§0.4)."""
+    events, _ = run(load(fixture))
+    added: list[int] = []
+    done: set[int] = set()
+    for event in events:
+        index = event.get("output_index")
+        if event["type"] == ADDED:
+            assert index == len(added)
+            added.append(index)
+        elif event["type"] == DONE:
+            done.add(index)
+        else:
+            assert index in added and index not in done, event
+    assert done == set(added)
+
+
+@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+def test_events_match_both_schemas(fixture: str) -> None:
+    """Every event validates against the Open Responses schema and parses as the SDK's event union."""
+    events, outcome = run(load(fixture), include_logprobs=True)
+    for sequence_number, event in enumerate(events):
+        wire = {**event, "sequence_number": sequence_number}
+        validate_event(wire)
+        assert EVENT.validate_python(wire).type == event["type"]
+    validate_response(as_response(outcome))
+
+
+@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+def test_outcome_parses_with_the_sdk(fixture: str) -> None:
+    """The final output items and usage parse as the SDK's `ResponseOutputItem` and `ResponseUsage`."""
+    _, outcome = run(load(fixture))
+    for entry in outcome.output:
+        assert OUTPUT_ITEM.validate_python(entry).type == entry["type"]
+    if outcome.usage is not None:
+        ResponseUsage.model_validate(outcome.usage)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "status", "details"),
+    [
+        ("openai_text.json", "completed", None),
+        ("openai_parallel_tool_calls.json", "completed", None),
+        ("vllm_length.json", "incomplete", {"reason": "max_output_tokens"}),
+        ("azure_openai_content_filter.json", "incomplete", {"reason": "content_filter"}),
+    ],
+)
+def test_finish_reason_sets_the_outcome(fixture: str, status: str, details: dict[str, str] | None) -> None:
+    """`length` and `content_filter` end the response incomplete with OpenAI's reason; the rest complete it."""
+    _, outcome = run(load(fixture))
+    assert (outcome.status, outcome.incomplete_details) == (status, details)
+
+
+def test_logprobs_are_translated_when_asked_for() -> None:
+    """With logprobs requested, each text delta and the final part carry token, logprob, bytes and top_logprobs."""
+    events, outcome = run(load("vllm_logprobs.json"), include_logprobs=True)
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert deltas[0]["logprobs"] == [
+        {
+            "token": "Hello",
+            "logprob": -0.0012,
+            "bytes": [72, 101, 108, 108, 111],
+            "top_logprobs": [
+                {"token": "Hello", "logprob": -0.0012, "bytes": [72, 101, 108, 108, 111]},
+                {"token": "Hi", "logprob": -6.75, "bytes": [72, 105]},
+            ],
+        }
+    ]
+    final = outcome.output[0]["content"][0]["logprobs"]
+    assert [entry["token"] for entry in final] == ["Hello", " world", "é"]
+    assert final[2]["bytes"] == [195, 169]
+
+
+def test_logprobs_stay_empty_unless_asked_for() -> None:
+    """Without `include: message.output_text.logprobs` the upstream's logprobs are not passed on."""
+    events, outcome = run(load("vllm_logprobs.json"))
+    assert all(event["logprobs"] == [] for event in events if "logprobs" in event)
+    assert outcome.output[0]["content"][0]["logprobs"] == []
+
+
+def chunk(
+    delta: dict[str, Any], finish_reason: str | None = None, *, logprobs: Any = None, **extra: Any
+) -> dict[str, Any]:
+    """A minimal chunk in OpenAI's shape."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"object": "chat.completion.chunk", "choices": [choice], **extra}
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {},
+        {"role": "assistant"},
+        {"role": "assistant", "content": None},
+        {"content": ""},
+        {"content": "", "reasoning": ""},
+        {"tool_calls": []},
+        {"tool_calls": [{"index": 3, "function": {"arguments": ""}}]},
+    ],
+)
+def test_empty_deltas_add_nothing(delta: dict[str, Any]) -> None:
+    """Role-only, empty and null deltas produce no events and no output items."""
+    state = start_stream()
+    assert translate_chunk(state, chunk(delta)) == []
+    assert finish_stream(state) == ([], Outcome("completed", None, [], None))
+
+
+def test_reasoning_sent_under_both_names_counts_once() -> None:
+    """A vLLM delta carrying the same text as `reasoning` and `reasoning_content` is not doubled."""
+    events, outcome = run([chunk({"reasoning": "think", "reasoning_content": "think"}), chunk({}, "stop")])
+    assert [event["delta"] for event in events if event["type"] == "response.reasoning_text.delta"] == [
+        "think"
+    ]
+    assert outcome.output[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+
+
+def test_refusal_after_text_is_a_second_part_of_the_same_message() -> None:
+    """Text then refusal make one message with an `output_text` part and a `refusal` part."""
+    events, outcome = run([chunk({"content": "Sure"}), chunk({"refusal": "No."}), chunk({}, "stop")])
+    assert [event["type"] for event in events] == [ADDED, *part("text", 1), *part("refusal", 1), DONE]
+    assert [entry["type"] for entry in outcome.output[0]["content"]] == ["output_text", "refusal"]
+
+
+def test_tool_call_ids_come_from_the_upstream_or_are_minted() -> None:
+    """`call_id` is the upstream's tool call id; a call without one gets a fresh `call_…` id; items get `fc_…`."""
+    _, outcome = run(
+        [
+            chunk(
+                {"tool_calls": [{"index": 0, "id": "call_up", "function": {"name": "a", "arguments": "{}"}}]}
+            ),
+            chunk({"tool_calls": [{"index": 1, "function": {"name": "b", "arguments": "{}"}}]}),
+            chunk({}, "tool_calls"),
+        ]
+    )
+    first, second = outcome.output
+    assert first["call_id"] == "call_up"
+    assert second["call_id"].startswith("call_") and second["call_id"] != "call_up"
+    assert first["id"].startswith("fc_") and first["id"] != second["id"]
+
+
+def test_a_new_id_at_a_known_index_starts_another_call() -> None:
+    """Servers that number every call 0 still yield one item per distinct tool call id."""
+    _, outcome = run(
+        [
+            chunk(
+                {"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "a", "arguments": "{}"}}]}
+            ),
+            chunk(
+                {"tool_calls": [{"index": 0, "id": "call_b", "function": {"name": "b", "arguments": "{}"}}]}
+            ),
+            chunk({"tool_calls": [{"index": 0, "id": "call_b", "function": {"arguments": ""}}]}),
+            chunk({}, "tool_calls"),
+        ]
+    )
+    assert [(entry["call_id"], entry["name"]) for entry in outcome.output] == [
+        ("call_a", "a"),
+        ("call_b", "b"),
+    ]
+
+
+def test_arguments_for_an_ended_call_fail_loudly() -> None:
+    """Argument pieces for a call that text has already closed are an upstream fault, not silently dropped."""
+    state = start_stream()
+    translate_chunk(state, chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "a"}}]}))
+    translate_chunk(state, chunk({"content": "Done."}))
+    with pytest.raises(RespoolError, match="tool call 0"):
+        translate_chunk(state, chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}))
+
+
+def test_missing_token_bytes_are_derived_from_the_token() -> None:
+    """A logprob without `bytes` (null upstream) gets the token's UTF-8 bytes, which the Responses shape requires."""
+    token = {"token": "é", "logprob": -1.0, "bytes": None, "top_logprobs": []}
+    events, _ = run([chunk({"content": "é"}, logprobs={"content": [token]})], include_logprobs=True)
+    assert events[2]["logprobs"] == [{"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []}]
+
+
+@pytest.mark.parametrize(
+    ("chat_usage", "expected"),
+    [
+        ({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}, usage(5, 2)),
+        (
+            {
+                "prompt_tokens": 5,
+                "completion_tokens": 2,
+                "total_tokens": 7,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            usage(5, 2),
+        ),
+        ({"prompt_tokens": 5, "completion_tokens": 2}, usage(5, 2)),
+    ],
+)
+def test_usage_always_has_every_int(chat_usage: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Usage without details or total still fills every Responses usage int (PROTOCOL.md §1.4)."""
+    state = start_stream()
+    translate_chunk(state, {"choices": [], "usage": chat_usage})
+    assert finish_stream(state)[1].usage == expected
+
+
+def test_the_last_usage_wins() -> None:
+    """Servers that send running usage on every chunk report the final totals."""
+    state = start_stream()
+    translate_chunk(state, chunk({"content": "a"}, usage={"prompt_tokens": 5, "completion_tokens": 1}))
+    translate_chunk(
+        state, chunk({"content": "b"}, "stop", usage={"prompt_tokens": 5, "completion_tokens": 2})
+    )
+    assert finish_stream(state)[1].usage == usage(5, 2)
+
+
+def test_item_ids_are_minted_in_openai_shapes() -> None:
+    """Reasoning items get `rs_…` ids and messages `msg_…` ids."""
+    _, outcome = run(load("llamacpp_reasoning_content.json"))
+    assert [entry["id"].split("_")[0] for entry in outcome.output] == ["rs", "msg"]

@@ -1,0 +1,397 @@
+"""Responses create request => Chat Completions request body (DESIGN.md §6, "Request").
+
+Owns every decision about what of a Responses request reaches a Chat Completions upstream (vLLM,
+Ollama, llama.cpp, OpenAI): what is translated, what is respool's own business and stays behind,
+and what nobody can honour and is refused with a 400 naming its `param` (STYLE.md §11). The rules
+are listed in `to_chat_request`'s docstring. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+Message = dict[str, Any]
+
+# PROTOCOL.md §3: the input item types a Chat Completions conversation can express.
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+
+# Keys whose translation needs no more than a rename: Responses name => Chat Completions name.
+_RENAMED = (
+    # vLLM, Ollama and llama.cpp all read `max_tokens`; Ollama reads nothing else (its
+    # ChatCompletionRequest has no `max_completion_tokens`), and OpenAI still accepts it for
+    # non-reasoning models.
+    ("max_output_tokens", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+)
+
+# Parameters that change what the model sees or says and that nobody here can honour. Every other
+# key is translated, respool's own business, or unknown and ignored (PROTOCOL.md §10).
+_REFUSED = {
+    "prompt": "Prompt templates are not supported by this server.",
+    "conversation": "Conversations are not supported by this server; use 'previous_response_id'.",
+    "moderation": "Moderation is not supported by this server.",
+}
+
+
+def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """The body for the upstream's `POST /v1/chat/completions`, always streamed with usage.
+
+    `request` is the Responses create body as the client sent it, `input_items` the whole
+    normalised conversation (earlier turns first), `model` the upstream's model name.
+
+    Rules:
+    - `instructions` => a leading `system` message
+    - message role `user` => `user`; `system` and `developer` => `system`, because the chat
+      templates of open models know only system/user/assistant/tool and drop or reject other
+      roles (and OpenAI treats `developer` as `system` for non-reasoning models)
+    - `input_text` => `text` part; `input_image{image_url, detail}` => `image_url{url, detail}`;
+      `input_file{file_id|file_data, filename}` => `file{...}`; one text part => string content
+    - `input_image` by `file_id`, `input_file` by `file_url`, non-text parts in system/developer
+      messages => 400, param `input[i].content[j]...` (Chat Completions cannot carry them)
+    - consecutive assistant `message`, `function_call` and `reasoning` items => one `assistant`
+      message: text and refusal parts joined without separator (as `Response.output_text` joins
+      them, PROTOCOL.md §1.1), `tool_calls[{id: call_id, type: function, function{name,
+      arguments}}]`, and the reasoning text as `reasoning_content` and `reasoning`
+    - `reasoning` item text: its `reasoning_text` content, else its summaries; an item with only
+      `encrypted_content` adds nothing, as no Chat Completions server can read it
+    - `function_call_output` => `tool` message with `tool_call_id`; list output => its text parts
+      joined; image or file parts => 400, param `input[i].output[j]`
+    - any other item type => 400, param `input[i]`
+    - `tools[i]` of type `function` => `{type: function, function{name, description, parameters,
+      strict}}`; any other type (hosted tools, `custom`, `mcp`, ...) => 400, param `tools[i]`
+    - `tool_choice` `none`/`auto`/`required` => as is; `{type: function, name}` =>
+      `{type: function, function{name}}`; `{type: allowed_tools, mode, tools}` => `tools`
+      restricted to those named and `tool_choice: mode`; any other type => 400, param `tool_choice`
+    - `parallel_tool_calls` => as is, only with tools
+    - `text.format` `json_schema` => `response_format{type: json_schema, json_schema{name,
+      schema, strict, description}}`; `json_object` => `response_format{type: json_object}`;
+      `text` => nothing; `text.verbosity` => `verbosity`
+    - `max_output_tokens` => `max_tokens`; `temperature`, `top_p`, `*_penalty` => as is
+    - `reasoning.effort` => `reasoning_effort`; `reasoning.summary` => nothing (open models stream
+      raw reasoning, returned as `reasoning_text`, which is all a summary could be made from);
+      `reasoning.mode` other than `standard` => 400
+    - `include` has `message.output_text.logprobs` => `logprobs: true` and `top_logprobs: n`
+      (when n > 0); without it `top_logprobs` => nothing, as OpenAI returns no logprobs either
+    - `safety_identifier`, else `user` => `user`
+    - `prompt`, `conversation`, `moderation` => 400 with that param
+    - respool's own business => nothing: `metadata`, `store`, `background`, `previous_response_id`,
+      `stream`, `stream_options`, `service_tier`, `prompt_cache_*`, `truncation` (`auto` cannot
+      be applied without the model's context size; an over-long input fails upstream, as with
+      `disabled`), `max_tool_calls` (it counts hosted tool calls, which are refused), `include`'s
+      other entries
+    - always `stream: true`, `stream_options{include_usage: true}`
+    """
+    _refuse_unhonourable(request)
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": to_chat_messages(request.get("instructions"), input_items),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(_tool_params(request))
+    body.update({target: request[source] for source, target in _RENAMED if request.get(source) is not None})
+    body.update(_reasoning_params(request.get("reasoning")))
+    body.update(_text_params(request.get("text")))
+    body.update(_logprob_params(request))
+    user = request.get("safety_identifier") or request.get("user")
+    if user:
+        body["user"] = user
+    return body
+
+
+def includes_logprobs(request: dict[str, Any]) -> bool:
+    """Whether the client asked for logprobs on output text (`include`, PROTOCOL.md §2)."""
+    return LOGPROBS_INCLUDE in (request.get("include") or [])
+
+
+def _refuse_unhonourable(request: dict[str, Any]) -> None:
+    for key, message in _REFUSED.items():
+        if request.get(key) is not None:
+            raise UnsupportedParameterError(message, param=key)
+
+
+@dataclass
+class _AssistantTurn:
+    """Consecutive assistant items, gathered into one chat `assistant` message."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_messages(self) -> list[Message]:
+        """The assistant message, or none when the turn is empty."""
+        if not (self.text or self.reasoning or self.tool_calls):
+            return []
+        # Some chat templates fail on a null `content`, so an empty string stands in for none.
+        message: Message = {"role": "assistant", "content": "".join(self.text)}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.reasoning:
+            reasoning = "".join(self.reasoning)
+            # llama.cpp and older vLLM read `reasoning_content`; vLLM since its rename and Ollama
+            # read `reasoning`. Each ignores the other key.
+            message["reasoning_content"] = reasoning
+            message["reasoning"] = reasoning
+        return [message]
+
+
+def to_chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[Message]:
+    """Chat messages for `instructions` and the conversation (rules in `to_chat_request`)."""
+    messages: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
+    turn = _AssistantTurn()
+    for index, item in enumerate(items):
+        kind = _item_kind(item, index)
+        if kind in _ASSISTANT_ITEMS:
+            _ASSISTANT_ITEMS[kind](turn, item, index)
+            continue
+        messages.extend(turn.to_messages())
+        turn = _AssistantTurn()
+        messages.append(_STANDALONE_ITEMS[kind](item, index))
+    messages.extend(turn.to_messages())
+    return messages
+
+
+def _item_kind(item: dict[str, Any], index: int) -> str:
+    # PROTOCOL.md §3: a message may come without `type`.
+    kind = str(item.get("type") or "message")
+    if kind == "message":
+        role = item.get("role")
+        if role == "assistant":
+            return "assistant_message"
+        if role not in ("user", "system", "developer"):
+            raise InvalidRequestError(f"Unknown message role '{role}'.", param=f"input[{index}].role")
+    if kind not in _ITEM_TYPES:
+        raise UnsupportedParameterError(f"Input items '{kind}' are not supported.", param=f"input[{index}]")
+    return kind
+
+
+def _add_assistant_message(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    content = item.get("content") or []
+    if isinstance(content, str):
+        turn.text.append(content)
+        return
+    for position, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("output_text", "input_text"):
+            turn.text.append(part.get("text") or "")
+        elif kind == "refusal":
+            # Chat templates render `content` only; a separate `refusal` field would hide from the
+            # model what it said.
+            turn.text.append(part.get("refusal") or "")
+        else:
+            param = f"input[{index}].content[{position}]"
+            raise UnsupportedParameterError(f"Assistant content '{kind}' is not supported.", param=param)
+
+
+def _add_function_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    function = {"name": _required(item, "name", index), "arguments": item.get("arguments") or ""}
+    turn.tool_calls.append(
+        {"id": _required(item, "call_id", index), "type": "function", "function": function}
+    )
+
+
+def _add_reasoning(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    content = item.get("content") or []
+    if content:
+        text = "".join(part.get("text") or "" for part in content)
+    else:
+        text = "\n\n".join(part.get("text") or "" for part in item.get("summary") or [])
+    if text:
+        turn.reasoning.append(text)
+
+
+def _input_message(item: dict[str, Any], index: int) -> Message:
+    role = "user" if item["role"] == "user" else "system"
+    return {"role": role, "content": _input_content(item.get("content") or [], index, is_user=role == "user")}
+
+
+def _tool_message(item: dict[str, Any], index: int) -> Message:
+    output = item.get("output")
+    if output is None:
+        raise MissingParameterError(f"input[{index}].output")
+    content = output if isinstance(output, str) else _tool_output_text(output, index)
+    return {"role": "tool", "tool_call_id": _required(item, "call_id", index), "content": content}
+
+
+def _tool_output_text(output: list[dict[str, Any]], index: int) -> str:
+    texts = []
+    for position, part in enumerate(output):
+        if part.get("type") != "input_text":
+            # Chat Completions tool messages carry text only.
+            param = f"input[{index}].output[{position}]"
+            raise UnsupportedParameterError("Function call outputs can be text only.", param=param)
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def _required(item: dict[str, Any], key: str, index: int) -> str:
+    value = item.get(key)
+    if not value:
+        raise MissingParameterError(f"input[{index}].{key}")
+    return str(value)
+
+
+_ASSISTANT_ITEMS: dict[str, Callable[[_AssistantTurn, dict[str, Any], int], None]] = {
+    "assistant_message": _add_assistant_message,
+    "function_call": _add_function_call,
+    "reasoning": _add_reasoning,
+}
+_STANDALONE_ITEMS: dict[str, Callable[[dict[str, Any], int], Message]] = {
+    "message": _input_message,
+    "function_call_output": _tool_message,
+}
+
+
+def _input_content(content: str | list[dict[str, Any]], index: int, *, is_user: bool) -> str | list[Message]:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for position, part in enumerate(content):
+        param = f"input[{index}].content[{position}]"
+        chat_part = _content_part(part, param)
+        if not is_user and chat_part["type"] != "text":
+            raise UnsupportedParameterError("System and developer messages can carry text only.", param=param)
+        parts.append(chat_part)
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return parts
+
+
+def _content_part(part: dict[str, Any], param: str) -> Message:
+    kind = part.get("type")
+    if kind == "input_text":
+        return {"type": "text", "text": part.get("text") or ""}
+    if kind == "input_image":
+        return _image_part(part, param)
+    if kind == "input_file":
+        return _file_part(part, param)
+    raise UnsupportedParameterError(f"Content parts of type '{kind}' are not supported.", param=param)
+
+
+def _image_part(part: dict[str, Any], param: str) -> Message:
+    url = part.get("image_url")
+    if not url:
+        raise UnsupportedParameterError("Send images by 'image_url'.", param=f"{param}.file_id")
+    image = {"url": url}
+    if part.get("detail"):
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
+
+
+def _file_part(part: dict[str, Any], param: str) -> Message:
+    if part.get("file_url"):
+        raise UnsupportedParameterError("Send files by 'file_data'.", param=f"{param}.file_url")
+    file = _present(part, "file_id", "file_data", "filename")
+    if "file_id" not in file and "file_data" not in file:
+        raise MissingParameterError(f"{param}.file_data")
+    return {"type": "file", "file": file}
+
+
+def _tool_params(request: dict[str, Any]) -> dict[str, Any]:
+    tools = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.get("tools") or [])]
+    choice = request.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        tools, choice = _allowed_tools(tools, choice)
+    chat_choice = _chat_tool_choice(choice, {tool["function"]["name"] for tool in tools})
+    if not tools:
+        # Servers reject `tool_choice` without `tools`; none/auto without tools mean no tool call.
+        if chat_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("'tool_choice' needs at least one function tool.", param="tool_choice")
+        return {}
+    params: dict[str, Any] = {"tools": tools}
+    if chat_choice is not None:
+        params["tool_choice"] = chat_choice
+    if request.get("parallel_tool_calls") is not None:
+        params["parallel_tool_calls"] = request["parallel_tool_calls"]
+    return params
+
+
+def _chat_tool(tool: dict[str, Any], param: str) -> dict[str, Any]:
+    kind = tool.get("type")
+    if kind != "function":
+        raise UnsupportedParameterError(f"Tools of type '{kind}' are not supported.", param=param)
+    if not tool.get("name"):
+        raise MissingParameterError(f"{param}.name")
+    return {"type": "function", "function": _present(tool, "name", "description", "parameters", "strict")}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> str | dict[str, Any] | None:
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        kind = choice.get("type") if isinstance(choice, dict) else choice
+        raise UnsupportedParameterError(f"'tool_choice' type '{kind}' is not supported.", param="tool_choice")
+    if choice.get("name") not in names:
+        raise InvalidRequestError(f"'{choice.get('name')}' is not in 'tools'.", param="tool_choice.name")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _allowed_tools(tools: list[dict[str, Any]], choice: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """`allowed_tools` => the tools it names, and its mode as the tool choice."""
+    known = {tool["function"]["name"] for tool in tools}
+    allowed = set()
+    for position, entry in enumerate(choice.get("tools") or []):
+        param = f"tool_choice.tools[{position}]"
+        if entry.get("type") != "function":
+            raise UnsupportedParameterError("Only function tools can be allowed tools.", param=param)
+        if entry.get("name") not in known:
+            raise InvalidRequestError(f"'{entry.get('name')}' is not in 'tools'.", param=f"{param}.name")
+        allowed.add(entry["name"])
+    return [tool for tool in tools if tool["function"]["name"] in allowed], str(choice.get("mode") or "auto")
+
+
+def _reasoning_params(reasoning: dict[str, Any] | None) -> dict[str, Any]:
+    if not reasoning:
+        return {}
+    if reasoning.get("mode") not in (None, "standard"):
+        raise UnsupportedParameterError("Only the 'standard' mode is supported.", param="reasoning.mode")
+    effort = reasoning.get("effort")
+    return {"reasoning_effort": effort} if effort is not None else {}
+
+
+def _text_params(text: dict[str, Any] | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    params = _response_format(text.get("format"))
+    if text.get("verbosity") is not None:
+        params["verbosity"] = text["verbosity"]
+    return params
+
+
+def _response_format(text_format: dict[str, Any] | None) -> dict[str, Any]:
+    kind = (text_format or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind != "json_schema":
+        raise UnsupportedParameterError(f"Text format '{kind}' is not supported.", param="text.format.type")
+    assert text_format is not None  # kind came from it
+    for key in ("name", "schema"):
+        if text_format.get(key) is None:
+            raise MissingParameterError(f"text.format.{key}")
+    schema = _present(text_format, "name", "schema", "strict", "description")
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+def _present(source: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """The entries of `source` under `keys` that are set (chat servers reject some explicit nulls)."""
+    return {key: source[key] for key in keys if source.get(key) is not None}
+
+
+def _logprob_params(request: dict[str, Any]) -> dict[str, Any]:
+    if not includes_logprobs(request):
+        return {}
+    params: dict[str, Any] = {"logprobs": True}
+    if request.get("top_logprobs"):
+        params["top_logprobs"] = request["top_logprobs"]
+    return params
