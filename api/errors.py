@@ -30,6 +30,16 @@ def error_response(error: RespoolError) -> ORJSONResponse:
     return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)
 
 
+def committed_error_response(exc: Exception) -> ORJSONResponse:
+    """An error after a create was committed: never retried, or the SDK would run it twice (PROTOCOL.md §5.5)."""
+    if not isinstance(exc, RespoolError):
+        log.exception("error while waiting for a committed response")
+        exc = UnavailableError("The response was accepted, but waiting for it failed; retrieve it by id.")
+    answer = error_response(exc)
+    answer.headers["x-should-retry"] = "false"
+    return answer
+
+
 async def _domain(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RespoolError)
     return error_response(exc)

@@ -10,6 +10,7 @@ from fastapi.responses import ORJSONResponse
 from starlette.responses import Response
 
 from api.auth import owner
+from api.errors import committed_error_response
 from api.sse import HEARTBEAT_SECONDS, sse_response
 from worker.errors import InvalidRequestError
 from worker.service import ResponseService
@@ -42,7 +43,10 @@ async def create_response(request: Request, owner: Owner) -> Response:
         return sse_response(service.follow(response_id, -1, HEARTBEAT_SECONDS))
     if created.request.is_background:
         return ORJSONResponse(created.response)
-    return ORJSONResponse(await service.wait(response_id))
+    try:
+        return ORJSONResponse(await service.wait(response_id))
+    except Exception as exc:  # the job is committed: whatever failed, the client must not retry
+        return committed_error_response(exc)
 
 
 @router.get("/responses/{response_id}")
