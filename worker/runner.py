@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import store
 from worker.errors import RespoolError
-from worker.events import AppendResult, Event, EventLog, encode, expire_response, last_event
+from worker.events import AppendResult, Event, EventLog, connect, encode, expire_response, last_event
 from worker.lease import Lease, Leases
 from worker.response import TERMINAL, Status, failed, finished, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
@@ -113,11 +113,32 @@ async def run_response(rt: Runtime, response_id: str) -> None:
         await _run_attempt(rt, lease)
     except FencedOut:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
+    except Exception:
+        await _fail_unexpectedly(rt, lease)
+        raise
     finally:
         rt.running.pop(response_id, None)
         rt.held.pop(response_id, None)
         rt.cancelling.discard(response_id)
         await rt.leases.release(lease)
+
+
+async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
+    """An attempt broke on something other than its upstream: end the response failed, if we still can."""
+    log.exception("response %s: attempt %d broke; failing the response", lease.response_id, lease.attempt)
+    try:
+        async with rt.engine.connect() as conn:
+            stored = await store.get_response(conn, lease.response_id)
+        last = await last_event(rt.redis, lease.response_id)
+        if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
+            return
+        writer = ResponseWriter(rt.log, lease, last.sequence_number + 1)
+        final = failed(
+            stored.response, "The server had an error while running this response.", int(time.time())
+        )
+        await _finish(rt, writer, stored, final)
+    except Exception:
+        log.exception("response %s: could not record the failure; recovery will end it", lease.response_id)
 
 
 async def _run_attempt(rt: Runtime, lease: Lease) -> None:
@@ -258,7 +279,7 @@ async def _ensure_terminal(
 
 async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:
     """Connections for a process that runs up to `concurrency` responses at once."""
-    redis = Redis.from_url(settings.redis_url, max_connections=max(16, concurrency // 4))
+    redis = connect(settings.redis_url, max_connections=max(16, concurrency // 4))
     return Runtime(
         engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
         redis=redis,

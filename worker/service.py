@@ -27,7 +27,7 @@ from worker.errors import (
     ResponseNotFoundError,
     UnavailableError,
 )
-from worker.events import Event, EventLog, encode, expire_response, last_event
+from worker.events import Event, EventLog, connect, encode, expire_response, last_event
 from worker.ids import new_id
 from worker.items import check_tool_outputs, normalize_input
 from worker.keys import cancel_key, response_keys
@@ -71,7 +71,7 @@ class ResponseService:
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
         engine = store.create_engine(settings.database_url)
-        redis = Redis.from_url(settings.redis_url, max_connections=256)
+        redis = connect(settings.redis_url, max_connections=256)
         return cls(settings, engine, redis, SyncRedis.from_url(settings.redis_url))
 
     async def start(self) -> None:

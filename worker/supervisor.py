@@ -1,5 +1,6 @@
-"""The process supervisor behind `respool up`: it starts the API and worker processes, waits, and
-stops every one of them on Ctrl-C, SIGTERM or the first unexpected exit.
+"""The child processes of `respool up`. `Supervisor` starts the API and worker processes, waits,
+and stops every one of them on Ctrl-C, SIGTERM or the first unexpected exit; the functions below
+it are how `worker.embedded` runs and stops its servers.
 
 Why each child gets its own session (`start_new_session=True`): Ctrl-C makes the terminal send
 SIGINT to the whole foreground process group. If the children shared the supervisor's group they
@@ -27,14 +28,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import IO, BinaryIO
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_Handler = Callable[[int, FrameType | None], object] | int | None  # what signal.signal() returns
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_SECONDS = 0.05
+_STOP_SECONDS = 30.0
+_LEFTOVER_SECONDS = 10.0
+_PROC = Path("/proc")
 
 
 def die_with_parent(signum: int) -> Callable[[], None] | None:
@@ -99,7 +105,7 @@ class _SignalWatch:
     def __init__(self) -> None:
         self.received: list[int] = []
         self._reader, self._writer = socket.socketpair()
-        self._previous: dict[int, signal._HANDLER] = {}
+        self._previous: dict[int, _Handler] = {}
         self._previous_fd = -1
 
     def __enter__(self) -> _SignalWatch:
@@ -180,7 +186,10 @@ class Supervisor:
         return 0 if culprit is None else exit_status(culprit.process.returncode)
 
     def stop(self) -> None:
-        """SIGTERM every child's process group, wait up to `grace_seconds`, SIGKILL the rest, reap."""
+        """SIGTERM every child's process group, wait up to `grace_seconds`, SIGKILL the rest, reap.
+
+        Idempotent; for a `finally` when `wait()` was never reached.
+        """
         self._stop(is_forced=lambda: False)
 
     def _stop(self, is_forced: Callable[[], bool]) -> None:
@@ -218,3 +227,65 @@ class Supervisor:
                     # full pipe.
                     self.output.write(prefix + line + ending)
                     self.output.flush()
+
+
+# Servers: see worker.embedded.
+
+
+def terminate(process: subprocess.Popen[bytes], signum: int) -> None:
+    """Send `signum`, wait up to 30 s, then SIGKILL; always reap. Idempotent."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d ignored signal %d; killing it", process.pid, signum)
+            process.kill()
+    process.wait()
+
+
+def processes_of(binary_name: str, cwd: Path) -> list[int]:
+    """Live processes running binary `binary_name` in working directory `cwd` (none without /proc).
+
+    A server chdirs into its data dir, so this finds one left running there and no other. Zombies
+    have no cwd, so they never count.
+    """
+    pids = []
+    for entry in _PROC.glob("[0-9]*"):
+        try:
+            exe, here = os.readlink(entry / "exe"), os.readlink(entry / "cwd")
+        except OSError:  # gone meanwhile, a zombie, or not ours to inspect
+            continue
+        if Path(exe.removesuffix(" (deleted)")).name == binary_name and Path(here) == cwd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_leftovers(binary_name: str, cwd: Path, signum: int, *, only: int | None = None) -> None:
+    """Stop a server left running in `cwd`: `signum` to each process (or just `only`), then SIGKILL."""
+    pids = processes_of(binary_name, cwd)
+    if not pids:
+        return
+    logger.warning("stopping %s processes %s left running in %s", binary_name, pids, cwd)
+    for pid in pids if only is None else [pid for pid in pids if pid == only]:
+        _kill(pid, signum)
+        _kill(pid, signal.SIGCONT)  # a suspended process would not act on `signum` until continued
+    if _wait_for(lambda: not processes_of(binary_name, cwd), _LEFTOVER_SECONDS):
+        return
+    for pid in processes_of(binary_name, cwd):
+        _kill(pid, signal.SIGKILL)
+    _wait_for(lambda: not processes_of(binary_name, cwd), _LEFTOVER_SECONDS)
+
+
+def _kill(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    return True
