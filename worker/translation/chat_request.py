@@ -137,8 +137,8 @@ class _AssistantTurn:
             message["tool_calls"] = self.tool_calls
         if self.reasoning:
             reasoning = "".join(self.reasoning)
-            # llama.cpp and older vLLM read `reasoning_content`; vLLM since its rename and Ollama
-            # read `reasoning`. Each ignores the other key.
+            # llama.cpp and older vLLM read `reasoning_content`; vLLM since its rename (which
+            # still accepts the old name as input) and Ollama read `reasoning`.
             message["reasoning_content"] = reasoning
             message["reasoning"] = reasoning
         return [message]

@@ -131,7 +131,8 @@ def finish_stream(state: ChatStream) -> tuple[list[Event], Outcome]:
 
 def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[Event]:
     # llama.cpp and vLLM before its rename send `reasoning_content`, vLLM after it and Ollama
-    # `reasoning`; vLLM releases in between sent both with the same text, so read one, never both.
+    # `reasoning`; vLLM releases in between sent both with the same text (vllm-project/vllm#27752),
+    # so one is read, never both.
     text = delta.get("reasoning_content") or delta.get("reasoning")
     return _append_text(state, "reasoning", "reasoning_text", text, [])
 
@@ -218,7 +219,7 @@ def _open_part(state: ChatStream, item_type: str, part_type: str) -> tuple[_Item
 def _fresh_fields(item_type: str) -> dict[str, Any]:
     if item_type == "message":
         return {"id": new_id("msg"), "type": "message", "role": "assistant"}
-    return {"id": new_id("rs"), "type": "reasoning", "summary": []}
+    return {"id": new_id("rs"), "type": "reasoning"}
 
 
 def _open_call(
@@ -312,6 +313,8 @@ def _item_body(item: _Item) -> dict[str, Any]:
     if item.fields["type"] == "function_call":
         body["arguments"] = "".join(item.arguments)
     else:
+        if item.fields["type"] == "reasoning":
+            body["summary"] = []  # open models stream raw reasoning text, never summaries
         body["content"] = [_part_body(part) for part in item.parts]
     body["status"] = item.status
     return body

@@ -20,17 +20,24 @@ EVENT = TypeAdapter(ResponseStreamEvent)
 OUTPUT_ITEM = TypeAdapter(ResponseOutputItem)
 
 ADDED, DONE = "response.output_item.added", "response.output_item.done"
-_PREFIXES = {
-    "text": "response.output_text",
-    "refusal": "response.refusal",
-    "reasoning": "response.reasoning_text",
-}
+PREFIXES = dict(text="response.output_text", refusal="response.refusal", reasoning="response.reasoning_text")
 CALL_DONE = ["response.function_call_arguments.done", DONE]
+Events = list[dict[str, Any]]
+
+# What `ResponseResource` requires besides what the outcome carries.
+RESPONSE = (
+    dict.fromkeys(("previous_response_id", "instructions", "error", "reasoning", "max_output_tokens"))
+    | dict.fromkeys(("max_tool_calls", "safety_identifier", "prompt_cache_key", "metadata"))
+    | dict(id="resp_1", object="response", created_at=1, model="m", tools=[], tool_choice="auto")
+    | dict(truncation="disabled", parallel_tool_calls=True, text={"format": {"type": "text"}}, top_p=1.0)
+    | dict(presence_penalty=0.0, frequency_penalty=0.0, top_logprobs=0, temperature=1.0, store=True)
+    | dict(background=False, service_tier="default")
+)
 
 
 def part(kind: str, deltas: int) -> list[str]:
     """The events of one content part with `deltas` deltas."""
-    prefix = _PREFIXES[kind]
+    prefix = PREFIXES[kind]
     return [
         "response.content_part.added",
         *[f"{prefix}.delta"] * deltas,
@@ -49,21 +56,19 @@ def call(deltas: int) -> list[str]:
     return [ADDED, *["response.function_call_arguments.delta"] * deltas]
 
 
-def run(
-    chunks: list[dict[str, Any]], *, include_logprobs: bool = False
-) -> tuple[list[dict[str, Any]], Outcome]:
+def run(chunks: Events, *, include_logprobs: bool = False) -> tuple[Events, Outcome]:
     state = start_stream(include_logprobs=include_logprobs)
     events = [event for chunk in chunks for event in translate_chunk(state, chunk)]
     closing, outcome = finish_stream(state)
     return events + closing, outcome
 
 
-def load(name: str) -> list[dict[str, Any]]:
-    chunks: list[dict[str, Any]] = json.loads((FIXTURES / name).read_text(encoding="utf-8"))["chunks"]
+def load(name: str) -> Events:
+    chunks: Events = json.loads((FIXTURES / f"{name}.json").read_text(encoding="utf-8"))["chunks"]
     return chunks
 
 
-def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fold(events: Events) -> Events:
     """The output items a client rebuilds from `.added` events and deltas alone."""
     items: dict[int, dict[str, Any]] = {}
     for event in events:
@@ -83,8 +88,8 @@ def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [items[index] for index in sorted(items)]
 
 
-def texts(output: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """Each output item as (type, status, its full text or arguments)."""
+def texts(output: Events) -> list[tuple[str, str, str]]:
+    """Each output item as (type, status, its full text, or its name and arguments)."""
     summary = []
     for entry in output:
         if entry["type"] == "function_call":
@@ -93,6 +98,18 @@ def texts(output: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
             text = "|".join(p.get("text", p.get("refusal", "")) for p in entry["content"])
         summary.append((entry["type"], entry["status"], text))
     return summary
+
+
+def msg(text: str, status: str = "completed") -> tuple[str, str, str]:
+    return ("message", status, text)
+
+
+def rs(text: str) -> tuple[str, str, str]:
+    return ("reasoning", "completed", text)
+
+
+def fc(text: str) -> tuple[str, str, str]:
+    return ("function_call", "completed", text)
 
 
 def usage(prompt: int, completion: int, *, cached: int = 0, reasoning: int = 0) -> dict[str, Any]:
@@ -105,164 +122,69 @@ def usage(prompt: int, completion: int, *, cached: int = 0, reasoning: int = 0) 
     }
 
 
-def as_response(outcome: Outcome) -> dict[str, Any]:
-    """A full Response carrying `outcome`, for schema validation."""
-    nulls = (
-        "previous_response_id",
-        "instructions",
-        "error",
-        "reasoning",
-        "max_output_tokens",
-        "max_tool_calls",
-    )
-    return {
-        **dict.fromkeys(nulls),
-        **dict.fromkeys(("safety_identifier", "prompt_cache_key", "metadata")),
-        "id": "resp_1",
-        "object": "response",
-        "created_at": 1,
-        "completed_at": 2 if outcome.status == "completed" else None,
-        "status": outcome.status,
-        "incomplete_details": outcome.incomplete_details,
-        "model": "m",
-        "output": outcome.output,
-        "tools": [],
-        "tool_choice": "auto",
-        "truncation": "disabled",
-        "parallel_tool_calls": True,
-        "text": {"format": {"type": "text"}},
-        "top_p": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "top_logprobs": 0,
-        "temperature": 1.0,
-        "usage": outcome.usage,
-        "store": True,
-        "background": False,
-        "service_tier": "default",
-    }
-
-
-CASES = [
-    pytest.param(
-        "openai_text.json",
-        item("text", 4),
-        [("message", "completed", "Hello! How can I help?")],
-        usage(19, 9),
-        id="openai-text",
-    ),
-    pytest.param(
-        "openai_refusal.json",
-        item("refusal", 3),
-        [("message", "completed", "I'm sorry, I can't help with that.")],
-        usage(41, 8),
-        id="openai-refusal",
-    ),
-    pytest.param(
-        "openai_parallel_tool_calls.json",
+# fixture => (event types, output items as (type, status, text), usage)
+CASES: dict[str, tuple[list[str], list[tuple[str, str, str]], dict[str, Any] | None]] = {
+    "openai_text": (item("text", 4), [msg("Hello! How can I help?")], usage(19, 9)),
+    "openai_refusal": (item("refusal", 3), [msg("I'm sorry, I can't help with that.")], usage(41, 8)),
+    "openai_parallel_tool_calls": (
         [*call(3), *call(3), *call(2), *CALL_DONE * 3],
         [
-            ("function_call", "completed", 'get_weather{"location": "Paris"}'),
-            ("function_call", "completed", 'get_weather{"location": "Tokyo"}'),
-            ("function_call", "completed", 'get_time{"tz": "Asia/Tokyo"}'),
+            fc('get_weather{"location": "Paris"}'),
+            fc('get_weather{"location": "Tokyo"}'),
+            fc('get_time{"tz": "Asia/Tokyo"}'),
         ],
         usage(82, 64),
-        id="openai-parallel-tool-calls",
     ),
-    pytest.param(
-        "openai_usage_cached_reasoning.json",
+    "openai_usage_cached_reasoning": (
         item("text", 2),
-        [("message", "completed", "The answer is 42.")],
+        [msg("The answer is 42.")],
         usage(1924, 412, cached=1792, reasoning=384),
-        id="openai-usage-cached-reasoning",
     ),
-    pytest.param(
-        "azure_openai_content_filter.json",
+    "azure_openai_content_filter": (
         item("text", 3),
-        [("message", "incomplete", "The duel began at dawn")],
+        [msg("The duel began at dawn", "incomplete")],
         usage(27, 6),
-        id="azure-content-filter",
     ),
-    pytest.param(
-        "vllm_reasoning_content.json",
+    "vllm_reasoning_content": (
         [*item("reasoning", 4), *item("text", 2)],
-        [
-            ("reasoning", "completed", "Compare 9.11 and 9.8: 0.8 > 0.11."),
-            ("message", "completed", "9.8 is greater."),
-        ],
+        [rs("Compare 9.11 and 9.8: 0.8 > 0.11."), msg("9.8 is greater.")],
         usage(17, 43),
-        id="vllm-reasoning_content",
     ),
-    pytest.param(
-        "vllm_reasoning.json",
+    "vllm_reasoning": (
         [*item("reasoning", 2), *item("text", 2)],
-        [("reasoning", "completed", "The user greets me."), ("message", "completed", "\n\nHi there!")],
+        [rs("The user greets me."), msg("\n\nHi there!")],
         usage(12, 28, cached=8),
-        id="vllm-reasoning",
     ),
-    pytest.param(
-        "vllm_length.json",
-        item("text", 5),
-        [("message", "incomplete", "Once upon a time,")],
-        usage(20, 6),
-        id="vllm-length",
-    ),
-    pytest.param(
-        "vllm_tool_call_then_text.json",
+    "vllm_length": (item("text", 5), [msg("Once upon a time,", "incomplete")], usage(20, 6)),
+    "vllm_tool_call_then_text": (
         [*call(3), *CALL_DONE, *item("text", 2)],
-        [
-            ("function_call", "completed", 'get_weather{"city": "Paris"}'),
-            ("message", "completed", "I'll check the weather."),
-        ],
+        [fc('get_weather{"city": "Paris"}'), msg("I'll check the weather.")],
         usage(210, 35),
-        id="vllm-tool-call-then-text",
     ),
-    pytest.param(
-        "ollama_reasoning_tool_call.json",
+    "ollama_reasoning_tool_call": (
         [*item("reasoning", 3), *call(1), *CALL_DONE],
-        [
-            ("reasoning", "completed", "Need the weather tool."),
-            ("function_call", "completed", 'get_weather{"city":"Paris"}'),
-        ],
+        [rs("Need the weather tool."), fc('get_weather{"city":"Paris"}')],
         usage(160, 31),
-        id="ollama-reasoning-tool-call",
     ),
-    pytest.param(
-        "ollama_no_usage.json",
-        item("text", 3),
-        [("message", "completed", "Hi there.")],
-        None,
-        id="ollama-no-usage",
-    ),
-    pytest.param(
-        "llamacpp_reasoning_content.json",
+    "ollama_no_usage": (item("text", 3), [msg("Hi there.")], None),
+    "llamacpp_reasoning_content": (
         [*item("reasoning", 2), *item("text", 2)],
-        [("reasoning", "completed", "User says hi."), ("message", "completed", "Hello!")],
+        [rs("User says hi."), msg("Hello!")],
         usage(75, 9),
-        id="llamacpp-reasoning_content",
     ),
-    pytest.param(
-        "llamacpp_usage_on_finish.json",
-        item("text", 2),
-        [("message", "completed", "Hello there")],
-        usage(1085, 2),
-        id="llamacpp-usage-on-finish-chunk",
-    ),
-]
+    "llamacpp_usage_on_finish": (item("text", 2), [msg("Hello there")], usage(1085, 2)),
+}
+FIXTURE_NAMES = list(CASES)
 
 
-@pytest.mark.parametrize(("fixture", "expected_types", "expected_items", "expected_usage"), CASES)
-def test_event_sequence(
-    fixture: str, expected_types: list[str], expected_items: list[tuple[str, str, str]], expected_usage: Any
-) -> None:
+@pytest.mark.parametrize(("fixture", "expected"), CASES.items(), ids=FIXTURE_NAMES)
+def test_event_sequence(fixture: str, expected: tuple[list[str], list[tuple[str, str, str]], Any]) -> None:
     """A recorded upstream stream becomes exactly the expected events, items and usage."""
     events, outcome = run(load(fixture))
-    assert [event["type"] for event in events] == expected_types
-    assert texts(outcome.output) == expected_items
-    assert outcome.usage == expected_usage
+    assert ([event["type"] for event in events], texts(outcome.output), outcome.usage) == expected
 
 
-@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
 def test_events_add_up_to_the_output(fixture: str) -> None:
     """A client folding the deltas gets the same items the `.done` events and the outcome carry."""
     events, outcome = run(load(fixture))
@@ -271,7 +193,7 @@ def test_events_add_up_to_the_output(fixture: str) -> None:
     assert [done[index] for index in sorted(done)] == outcome.output
 
 
-@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
 def test_events_keep_the_sdk_order_rules(fixture: str) -> None:
     """Items are added before their deltas and parts, get rising output indexes, and are all done (§0.4)."""
     events, _ = run(load(fixture))
@@ -289,7 +211,7 @@ def test_events_keep_the_sdk_order_rules(fixture: str) -> None:
     assert done == set(added)
 
 
-@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
 def test_events_match_both_schemas(fixture: str) -> None:
     """Every event validates against the Open Responses schema and parses as the SDK's event union."""
     events, outcome = run(load(fixture), include_logprobs=True)
@@ -297,10 +219,12 @@ def test_events_match_both_schemas(fixture: str) -> None:
         wire = {**event, "sequence_number": sequence_number}
         validate_event(wire)
         assert EVENT.validate_python(wire).type == event["type"]
-    validate_response(as_response(outcome))
+    completed_at = 2 if outcome.status == "completed" else None
+    response = {**RESPONSE, "status": outcome.status, "completed_at": completed_at, "output": outcome.output}
+    validate_response({**response, "incomplete_details": outcome.incomplete_details, "usage": outcome.usage})
 
 
-@pytest.mark.parametrize("fixture", [case.values[0] for case in CASES])
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
 def test_outcome_parses_with_the_sdk(fixture: str) -> None:
     """The final output items and usage parse as the SDK's `ResponseOutputItem` and `ResponseUsage`."""
     _, outcome = run(load(fixture))
@@ -313,10 +237,10 @@ def test_outcome_parses_with_the_sdk(fixture: str) -> None:
 @pytest.mark.parametrize(
     ("fixture", "status", "details"),
     [
-        ("openai_text.json", "completed", None),
-        ("openai_parallel_tool_calls.json", "completed", None),
-        ("vllm_length.json", "incomplete", {"reason": "max_output_tokens"}),
-        ("azure_openai_content_filter.json", "incomplete", {"reason": "content_filter"}),
+        ("openai_text", "completed", None),
+        ("openai_parallel_tool_calls", "completed", None),
+        ("vllm_length", "incomplete", {"reason": "max_output_tokens"}),
+        ("azure_openai_content_filter", "incomplete", {"reason": "content_filter"}),
     ],
 )
 def test_finish_reason_sets_the_outcome(fixture: str, status: str, details: dict[str, str] | None) -> None:
@@ -327,7 +251,7 @@ def test_finish_reason_sets_the_outcome(fixture: str, status: str, details: dict
 
 def test_logprobs_are_translated_when_asked_for() -> None:
     """With logprobs requested, each text delta and the final part carry token, logprob, bytes and top_logprobs."""
-    events, outcome = run(load("vllm_logprobs.json"), include_logprobs=True)
+    events, outcome = run(load("vllm_logprobs"), include_logprobs=True)
     deltas = [event for event in events if event["type"] == "response.output_text.delta"]
     assert deltas[0]["logprobs"] == [
         {
@@ -347,7 +271,7 @@ def test_logprobs_are_translated_when_asked_for() -> None:
 
 def test_logprobs_stay_empty_unless_asked_for() -> None:
     """Without `include: message.output_text.logprobs` the upstream's logprobs are not passed on."""
-    events, outcome = run(load("vllm_logprobs.json"))
+    events, outcome = run(load("vllm_logprobs"))
     assert all(event["logprobs"] == [] for event in events if "logprobs" in event)
     assert outcome.output[0]["content"][0]["logprobs"] == []
 
@@ -358,6 +282,12 @@ def chunk(
     """A minimal chunk in OpenAI's shape."""
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"object": "chat.completion.chunk", "choices": [choice], **extra}
+
+
+def tool_chunk(index: int, call_id: str | None = None, **function: str) -> dict[str, Any]:
+    """A chunk with one tool call delta."""
+    delta = {"index": index, "function": function, **({"id": call_id} if call_id else {})}
+    return chunk({"tool_calls": [delta]})
 
 
 @pytest.mark.parametrize(
@@ -382,9 +312,8 @@ def test_empty_deltas_add_nothing(delta: dict[str, Any]) -> None:
 def test_reasoning_sent_under_both_names_counts_once() -> None:
     """A vLLM delta carrying the same text as `reasoning` and `reasoning_content` is not doubled."""
     events, outcome = run([chunk({"reasoning": "think", "reasoning_content": "think"}), chunk({}, "stop")])
-    assert [event["delta"] for event in events if event["type"] == "response.reasoning_text.delta"] == [
-        "think"
-    ]
+    deltas = [event["delta"] for event in events if event["type"] == "response.reasoning_text.delta"]
+    assert deltas == ["think"]
     assert outcome.output[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
 
 
@@ -397,15 +326,7 @@ def test_refusal_after_text_is_a_second_part_of_the_same_message() -> None:
 
 def test_tool_call_ids_come_from_the_upstream_or_are_minted() -> None:
     """`call_id` is the upstream's tool call id; a call without one gets a fresh `call_…` id; items get `fc_…`."""
-    _, outcome = run(
-        [
-            chunk(
-                {"tool_calls": [{"index": 0, "id": "call_up", "function": {"name": "a", "arguments": "{}"}}]}
-            ),
-            chunk({"tool_calls": [{"index": 1, "function": {"name": "b", "arguments": "{}"}}]}),
-            chunk({}, "tool_calls"),
-        ]
-    )
+    _, outcome = run([tool_chunk(0, "call_up", name="a"), tool_chunk(1, name="b"), chunk({}, "tool_calls")])
     first, second = outcome.output
     assert first["call_id"] == "call_up"
     assert second["call_id"].startswith("call_") and second["call_id"] != "call_up"
@@ -414,18 +335,8 @@ def test_tool_call_ids_come_from_the_upstream_or_are_minted() -> None:
 
 def test_a_new_id_at_a_known_index_starts_another_call() -> None:
     """Servers that number every call 0 still yield one item per distinct tool call id."""
-    _, outcome = run(
-        [
-            chunk(
-                {"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "a", "arguments": "{}"}}]}
-            ),
-            chunk(
-                {"tool_calls": [{"index": 0, "id": "call_b", "function": {"name": "b", "arguments": "{}"}}]}
-            ),
-            chunk({"tool_calls": [{"index": 0, "id": "call_b", "function": {"arguments": ""}}]}),
-            chunk({}, "tool_calls"),
-        ]
-    )
+    chunks = [tool_chunk(0, "call_a", name="a"), tool_chunk(0, "call_b", name="b"), tool_chunk(0, "call_b")]
+    _, outcome = run([*chunks, chunk({}, "tool_calls")])
     assert [(entry["call_id"], entry["name"]) for entry in outcome.output] == [
         ("call_a", "a"),
         ("call_b", "b"),
@@ -435,10 +346,10 @@ def test_a_new_id_at_a_known_index_starts_another_call() -> None:
 def test_arguments_for_an_ended_call_fail_loudly() -> None:
     """Argument pieces for a call that text has already closed are an upstream fault, not silently dropped."""
     state = start_stream()
-    translate_chunk(state, chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "a"}}]}))
+    translate_chunk(state, tool_chunk(0, "call_a", name="a"))
     translate_chunk(state, chunk({"content": "Done."}))
     with pytest.raises(RespoolError, match="tool call 0"):
-        translate_chunk(state, chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}))
+        translate_chunk(state, tool_chunk(0, arguments="{}"))
 
 
 def test_missing_token_bytes_are_derived_from_the_token() -> None:
@@ -448,20 +359,14 @@ def test_missing_token_bytes_are_derived_from_the_token() -> None:
     assert events[2]["logprobs"] == [{"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []}]
 
 
+NULL_DETAILS = dict.fromkeys(("prompt_tokens_details", "completion_tokens_details"))
+
+
 @pytest.mark.parametrize(
     ("chat_usage", "expected"),
     [
         ({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}, usage(5, 2)),
-        (
-            {
-                "prompt_tokens": 5,
-                "completion_tokens": 2,
-                "total_tokens": 7,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
-            usage(5, 2),
-        ),
+        ({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, **NULL_DETAILS}, usage(5, 2)),
         ({"prompt_tokens": 5, "completion_tokens": 2}, usage(5, 2)),
     ],
 )
@@ -484,5 +389,5 @@ def test_the_last_usage_wins() -> None:
 
 def test_item_ids_are_minted_in_openai_shapes() -> None:
     """Reasoning items get `rs_…` ids and messages `msg_…` ids."""
-    _, outcome = run(load("llamacpp_reasoning_content.json"))
+    _, outcome = run(load("llamacpp_reasoning_content"))
     assert [entry["id"].split("_")[0] for entry in outcome.output] == ["rs", "msg"]
