@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from redis import Redis
+from rq import Queue
 
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.stack import Servers, Stack, servers
@@ -81,15 +83,31 @@ def queue_only(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[St
 
 
 @pytest.fixture(scope="session")
-def client(stack: Stack) -> openai.OpenAI:
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
     """The official SDK as tenant A, retries off so every answer is seen as sent."""
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0)
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0) as sdk:
+        yield sdk
 
 
 @pytest.fixture(scope="session")
-def other_client(stack: Stack) -> openai.OpenAI:
+def other_client(stack: Stack) -> Iterator[openai.OpenAI]:
     """The official SDK as tenant B."""
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_B, max_retries=0)
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_B, max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def open_client(queue_only: Stack) -> Iterator[openai.OpenAI]:
+    """The SDK against the API that has no keys and no worker."""
+    with openai.OpenAI(base_url=queue_only.url + "/v1", api_key="anything", max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def rq_queue(backing: Servers) -> Iterator[Callable[[Stack], Queue]]:
+    """RQ's view of a stack's queue, on a connection closed after the test."""
+    with Redis.from_url(backing.redis_url) as connection:
+        yield lambda running: Queue(running.env["RESPOOL_QUEUE"], connection=connection)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from redis import Redis
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -113,28 +112,26 @@ def test_unknown_response_is_404(client: openai.OpenAI) -> None:
     assert caught.value.param == "response_id"
 
 
-def test_no_keys_means_open_and_says_so(queue_only: Stack) -> None:
+def test_no_keys_means_open_and_says_so(queue_only: Stack, open_client: openai.OpenAI) -> None:
     """Without RESPOOL_API_KEYS the API serves anyone, and warns loudly at start."""
-    client = openai.OpenAI(base_url=queue_only.url + "/v1", api_key="anything", max_retries=0)
-    assert client.responses.create(model="synthetic", input="x", background=True).status == "queued"
+    assert open_client.responses.create(model="synthetic", input="x", background=True).status == "queued"
     assert "NO AUTHENTICATION" in queue_only.log("api-queue-only")
 
 
-def test_unrouted_model_is_404(queue_only: Stack) -> None:
+def test_unrouted_model_is_404(open_client: openai.OpenAI) -> None:
     """With no pass-through upstream, a model that is not routed is a 404 model_not_found."""
-    client = openai.OpenAI(base_url=queue_only.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError) as caught:
-        client.responses.create(model="no-such-model", input="x")
+        open_client.responses.create(model="no-such-model", input="x")
     assert (caught.value.code, caught.value.param) == ("model_not_found", "model")
 
 
-def test_cancel_while_queued_never_reaches_a_worker(queue_only: Stack) -> None:
+def test_cancel_while_queued_never_reaches_a_worker(
+    queue_only: Stack, open_client: openai.OpenAI, rq_queue: Callable[[Stack], Queue]
+) -> None:
     """A response cancelled while queued leaves the queue, ends its stream, and its job is cancelled."""
-    client = openai.OpenAI(base_url=queue_only.url + "/v1", api_key="x", max_retries=0)
+    client = open_client
     created = client.responses.create(model="synthetic", input="x", background=True)
-    queue = Queue(
-        queue_only.env["RESPOOL_QUEUE"], connection=Redis.from_url(queue_only.env["RESPOOL_REDIS_URL"])
-    )
+    queue = rq_queue(queue_only)
     assert created.id in queue.job_ids
     assert client.responses.cancel(created.id).status == "cancelled"
     assert created.id not in queue.job_ids
@@ -143,4 +140,3 @@ def test_cancel_while_queued_never_reaches_a_worker(queue_only: Stack) -> None:
     events = list(client.responses.retrieve(created.id, stream=True))
     assert [e.type for e in events] == ["response.created", "response.queued", "response.failed"]
     assert events[-1].response.status == "cancelled"
-    queue.connection.close()

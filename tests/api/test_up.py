@@ -59,13 +59,14 @@ def _interrupt(process: subprocess.Popen[bytes]) -> str:
     return output.decode(errors="replace")
 
 
-def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path) -> None:
+def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """`respool up` serves the SDK with no upstream, Ctrl-C leaves no process, and a restart keeps the data."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = _up(tmp_path, port)
     wait_for(lambda: _listening(url, process), timeout=90, what="respool up to listen")
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    request.addfinalizer(client.close)
     created = client.responses.create(model="synthetic", input="keep me", background=True)
     done = wait_for(lambda: (r := client.responses.retrieve(created.id)).status == "completed" and r)
     output = _interrupt(process)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from redis import Redis
 from rq import Queue
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 
@@ -19,7 +19,11 @@ HELD = 200
 
 
 def test_one_worker_holds_200_responses_at_once(
-    client: openai.OpenAI, upstream: ScriptedUpstream, stack: Stack, model: str
+    client: openai.OpenAI,
+    upstream: ScriptedUpstream,
+    stack: Stack,
+    model: str,
+    rq_queue: Callable[[Stack], Queue],
 ) -> None:
     """One worker process streams 200 responses concurrently from a slow upstream, and RQ shows them running."""
     upstream.script(model, {"text": " ".join(["slow"] * 12), "delay": 0.5})
@@ -30,7 +34,7 @@ def test_one_worker_holds_200_responses_at_once(
             )
         )
     assert upstream.stats(until_active=HELD, timeout=60)["active"] == HELD
-    queue = Queue(stack.env["RESPOOL_QUEUE"], connection=Redis.from_url(stack.env["RESPOOL_REDIS_URL"]))
+    queue = rq_queue(stack)
     running = set(StartedJobRegistry(queue=queue).get_job_ids())
     assert {response.id for response in created} <= running
     finished = FinishedJobRegistry(queue=queue)
@@ -41,4 +45,3 @@ def test_one_worker_holds_200_responses_at_once(
     )
     statuses = {client.responses.retrieve(response.id).status for response in created}
     assert statuses == {"completed"}
-    queue.connection.close()
