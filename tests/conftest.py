@@ -24,9 +24,9 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def backing(session_dir: Path) -> Iterator[Servers]:
+def backing() -> Iterator[Servers]:
     """Redis and a fresh Postgres database (the machine's when RESPOOL_* name them, else embedded)."""
-    with servers(session_dir) as found:
+    with servers() as found:
         yield found
 
 

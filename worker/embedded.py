@@ -13,6 +13,7 @@ If the parent dies abruptly:
 - SIGTERM/SIGINT: the caller's `finally` (or the supervisor) calls `stop()`.
 - `kill -9`, on Linux: the kernel sends Redis SIGTERM and the postmaster SIGINT (PR_SET_PDEATHSIG)
   and both shut down cleanly. Only an empty socket dir stays in $TMPDIR, until the next start.
+  The kernel watches the *thread* that called `start()`, so call it from the main thread.
 - Either way the next `start()` finds the dead parent's lock free (a flock dies with its holder),
   stops any server still running in the data dir (a process of that binary whose working dir it
   is, found through /proc; without /proc, as on macOS, none is found and Postgres refuses to start
@@ -30,6 +31,7 @@ import importlib.util
 import logging
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -247,28 +249,20 @@ def _package_dir(package: str) -> Path:
 
 
 def _configure_redis(redis_dir: Path) -> int:
-    """Write redis.conf afresh and return the port it names."""
+    """Write redis.conf afresh with the port from last time if it is free (the URL stays the same
+    across restarts), else any free port; return the port."""
     conf = redis_dir / "redis.conf"
-    port = _choose_port(conf)
-    conf.write_text(_REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir))))
-    return port
-
-
-def _choose_port(conf: Path) -> int:
-    """The port `conf` names if it is free, so the URL stays the same across restarts; else any."""
-    text = conf.read_text() if conf.exists() else ""
-    previous = [
-        int(line[5:]) for line in text.splitlines() if line.startswith("port ") and line[5:].isdigit()
-    ]
+    previous = re.search(r"^port (\d+)$", conf.read_text() if conf.exists() else "", re.MULTILINE)
     with socket.socket() as sock:
         # Redis binds with SO_REUSEADDR, so a port in TIME_WAIT from our last run is free to it too.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", previous[0] if previous else 0))
+            sock.bind(("127.0.0.1", int(previous[1]) if previous else 0))
         except OSError:
             sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
-        return port
+    conf.write_text(_REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir))))
+    return port
 
 
 def _quote_redis(value: str) -> str:

@@ -7,11 +7,14 @@ the machine's Redis 7 and Postgres 15), or else embedded ones started for the se
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,7 +57,7 @@ class Servers:
 
 
 @contextmanager
-def servers(tmp: Path) -> Iterator[Servers]:
+def servers() -> Iterator[Servers]:
     """Redis and a fresh Postgres database for one test session."""
     stops: list[Callable[[], None]] = []
     try:
@@ -63,8 +66,12 @@ def servers(tmp: Path) -> Iterator[Servers]:
         if not redis_url or not database_url:
             from worker.embedded import EmbeddedPostgres, EmbeddedRedis
 
-            redis = EmbeddedRedis.start(tmp / "embedded")
-            postgres = EmbeddedPostgres.start(tmp / "embedded")
+            # Not under pytest's tmp dir: as root, Postgres runs as another user, and pytest resets
+            # that tree to 0700 whenever another session starts.
+            data_dir = Path(tempfile.mkdtemp(prefix="respool-test-"))
+            stops.append(functools.partial(shutil.rmtree, data_dir, ignore_errors=True))
+            redis = EmbeddedRedis.start(data_dir)
+            postgres = EmbeddedPostgres.start(data_dir)
             stops += [redis.stop, postgres.stop]
             redis_url, database_url = redis.url, postgres.url
         database, drop = _fresh_database(database_url)

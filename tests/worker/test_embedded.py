@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+from worker.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
 
 Server = EmbeddedRedis | EmbeddedPostgres
 MARKER = "survives restarts"
@@ -63,6 +65,20 @@ KINDS = [
 ]
 
 
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    """A fresh data dir outside pytest's own temp root.
+
+    As root, postgres runs as another user, which needs search permission on every directory above
+    the data dir; each new pytest session resets pytest's temp root to 0700, so a concurrent
+    session would pull that permission away mid-test.
+    """
+    path = Path(tempfile.mkdtemp(prefix="respool-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _is_alive(pid: int) -> bool:
     """Whether `pid` runs; a zombie counts as gone, since this machine's PID 1 may never reap it."""
     try:
@@ -94,65 +110,63 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_data_survives_stop_and_start(kind: Kind, tmp_path: Path) -> None:
+def test_data_survives_stop_and_start(kind: Kind, data_dir: Path) -> None:
     """Data written before stop() is there after start() on the same, socket-unfriendly long, data dir."""
-    data_dir = tmp_path / ("long-" * 15) / ("path-" * 15)
-    server = kind.start(data_dir)
+    long_dir = data_dir / ("long-" * 15) / ("path-" * 15)
+    server = kind.start(long_dir)
     kind.write(server.url)
     server.stop()
     assert not _is_alive(server.process.pid)
-    assert _processes_in(data_dir / kind.subdir) == []
+    assert _processes_in(long_dir / kind.subdir) == []
+
+    again = kind.start(long_dir)
+    try:
+        assert kind.read(again.url) == MARKER
+    finally:
+        again.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_start_after_the_server_was_killed(kind: Kind, data_dir: Path) -> None:
+    """A server SIGKILLed mid-run (stale pidfile, orphaned backends) restarts with its committed data."""
+    killed = kind.start(data_dir)
+    kind.write(killed.url)
+    os.kill(killed.process.pid, signal.SIGKILL)
+    killed.stop()
 
     again = kind.start(data_dir)
     try:
         assert kind.read(again.url) == MARKER
     finally:
         again.stop()
+    assert _processes_in(data_dir / kind.subdir) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_start_after_the_server_was_killed(kind: Kind, tmp_path: Path) -> None:
-    """A server SIGKILLed mid-run (stale pidfile, orphaned backends) restarts with its committed data."""
-    killed = kind.start(tmp_path)
-    kind.write(killed.url)
-    os.kill(killed.process.pid, signal.SIGKILL)
-
-    again = kind.start(tmp_path)
+def test_start_refuses_a_data_dir_in_use(kind: Kind, data_dir: Path) -> None:
+    """A second start() on a data dir whose server is running fails and leaves that server serving."""
+    running = kind.start(data_dir)
     try:
-        assert kind.read(again.url) == MARKER
+        kind.write(running.url)
+        with pytest.raises(EmbeddedServerError, match="in use"):
+            kind.start(data_dir)
+        assert kind.read(running.url) == MARKER
     finally:
-        again.stop()
-        killed.stop()
-    assert _processes_in(tmp_path / kind.subdir) == []
+        running.stop()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_start_replaces_a_server_left_running(kind: Kind, tmp_path: Path) -> None:
-    """start() on a data dir whose server still runs stops that one cleanly and serves the same data."""
-    left_running = kind.start(tmp_path)
-    kind.write(left_running.url)
-
-    replacement = kind.start(tmp_path)
-    try:
-        assert not _is_alive(left_running.process.pid)
-        assert kind.read(replacement.url) == MARKER
-    finally:
-        replacement.stop()
-        left_running.stop()
-
-
-def test_redis_keeps_its_url_across_restarts(tmp_path: Path) -> None:
+def test_redis_keeps_its_url_across_restarts(data_dir: Path) -> None:
     """Redis comes back on the port it had, so a URL noted down earlier still works."""
-    first = EmbeddedRedis.start(tmp_path)
+    first = EmbeddedRedis.start(data_dir)
     first.stop()
-    second = EmbeddedRedis.start(tmp_path)
+    second = EmbeddedRedis.start(data_dir)
     second.stop()
     assert second.url == first.url
 
 
-def test_postgres_is_reachable_only_through_its_socket(tmp_path: Path) -> None:
+def test_postgres_is_reachable_only_through_its_socket(data_dir: Path) -> None:
     """The URL names a private socket dir and the server listens on no TCP address."""
-    server = EmbeddedPostgres.start(tmp_path)
+    server = EmbeddedPostgres.start(data_dir)
     try:
         engine = sa.create_engine(server.url)
         with engine.connect() as connection:
@@ -176,24 +190,57 @@ time.sleep(60)
 """
 
 
-def test_servers_stop_when_their_parent_is_killed(tmp_path: Path) -> None:
-    """After `kill -9` of their parent both servers exit, then restart with their data and tidy up."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE)
+def _start_in_a_parent(data_dir: Path) -> tuple[subprocess.Popen[bytes], str, int, str, int]:
+    """A parent process running both servers; it, then Redis's URL and pid, then Postgres's."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(data_dir)], stdout=subprocess.PIPE)
     assert parent.stdout is not None
-    (redis_url, redis_pid), (postgres_url, postgres_pid) = json.loads(parent.stdout.readline())
+    with parent.stdout:
+        line = parent.stdout.readline()
+    if not line:
+        pytest.fail(f"the parent failed to start the servers (status {parent.wait()})")
+    (redis_url, redis_pid), (postgres_url, postgres_pid) = json.loads(line)
+    return parent, redis_url, redis_pid, postgres_url, postgres_pid
+
+
+def test_servers_stop_when_their_parent_is_killed(data_dir: Path) -> None:
+    """After `kill -9` of their parent both servers exit, then restart with their data and tidy up."""
+    parent, redis_url, redis_pid, postgres_url, postgres_pid = _start_in_a_parent(data_dir)
     _redis_write(redis_url)
     _postgres_write(postgres_url)
 
     parent.kill()
     parent.wait()
-    parent.stdout.close()
     assert _wait_until(lambda: not _is_alive(redis_pid) and not _is_alive(postgres_pid))
 
-    redis_again, postgres_again = EmbeddedRedis.start(tmp_path), EmbeddedPostgres.start(tmp_path)
+    redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
     try:
         assert _redis_read(redis_again.url) == MARKER
         assert _postgres_read(postgres_again.url) == MARKER
         assert not Path(sa.make_url(postgres_url).query["host"]).exists()  # the old socket dir
+    finally:
+        redis_again.stop()
+        postgres_again.stop()
+
+
+def test_start_stops_servers_that_outlived_their_parent(data_dir: Path) -> None:
+    """Servers still running after their parent died are stopped by the next start(), data intact."""
+    parent, redis_url, redis_pid, postgres_url, postgres_pid = _start_in_a_parent(data_dir)
+    _redis_write(redis_url)
+    _postgres_write(postgres_url)
+    # Suspended, they cannot act on the kernel's parent-death signal: leftovers, as without Linux.
+    os.kill(redis_pid, signal.SIGSTOP)
+    os.kill(postgres_pid, signal.SIGSTOP)
+    parent.kill()
+    parent.wait()
+    assert _is_alive(redis_pid)
+    assert _is_alive(postgres_pid)
+
+    redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
+    try:
+        assert not _is_alive(redis_pid)
+        assert not _is_alive(postgres_pid)
+        assert _redis_read(redis_again.url) == MARKER
+        assert _postgres_read(postgres_again.url) == MARKER
     finally:
         redis_again.stop()
         postgres_again.stop()

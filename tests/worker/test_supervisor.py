@@ -64,7 +64,9 @@ def _read_until_running(driver: subprocess.Popen[str]) -> list[int]:
     return list(pids.values())
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda signum: signum.name
+)
 def test_signal_stops_every_child_and_exits_zero(signum: signal.Signals) -> None:
     """A signal to the supervisor's group (as Ctrl-C sends it) reaches each child only as SIGTERM; exit 0."""
     driver = subprocess.Popen(
