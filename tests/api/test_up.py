@@ -16,6 +16,9 @@ from tests.support.stack import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
+# The console script `uv run respool` runs: the README's first command, as a user types it.
+RESPOOL = str(Path(sys.executable).with_name("respool"))
+
 
 def _processes_using(path: Path) -> list[int]:
     """Pids whose command line or working directory mentions `path`."""
@@ -37,7 +40,7 @@ def _up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("RESPOOL_")}
     env["RESPOOL_DATA_DIR"] = str(data_dir)
     return subprocess.Popen(
-        [sys.executable, "-m", "api", "up", "--port", str(port), "--workers", "2"],
+        [RESPOOL, "up", "--port", str(port), "--workers", "2"],
         env=env,
         cwd=data_dir,
         stdout=subprocess.PIPE,
