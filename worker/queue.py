@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from redis import Redis as SyncRedis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -58,5 +59,5 @@ def delete_job(queue: Queue, response_id: str) -> None:
     """Remove a finished response's job record, if RQ still has one."""
     try:
         Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer).delete()
-    except Exception:
+    except NoSuchJobError:  # already expired: nothing to delete
         return
