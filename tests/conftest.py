@@ -11,8 +11,8 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.stack import Servers, Stack, servers
+from tests.support.upstream_process import ScriptedUpstream
 
 KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
 NATIVE_MODEL = "scripted-native"

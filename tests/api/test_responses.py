@@ -7,8 +7,8 @@ import pytest
 from openai.types.responses import Response
 
 from tests.conftest import NATIVE_MODEL
-from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.stack import wait_for
+from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = pytest.mark.integration
 

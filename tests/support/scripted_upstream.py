@@ -26,7 +26,7 @@ A script is a JSON object; every key is optional:
 
 Unscripted models echo: "Hello from the scripted upstream. You said: <last user text>".
 Run: `python -m tests.support.scripted_upstream --port 0` prints `LISTENING http://127.0.0.1:<port>`.
-From a test: `ScriptedUpstream.start()`.
+From a test: `ScriptedUpstream.start()` in `tests.support.upstream_process`.
 """
 
 from __future__ import annotations
@@ -34,23 +34,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
-import json
 import logging
-import re
-import select
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, cast
+from typing import cast
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -58,12 +49,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-type Json = dict[str, Any]
+from tests.support.upstream_frames import (
+    DEFAULT_MODEL,
+    Json,
+    assemble_completion,
+    chat_chunks,
+    encode,
+    response_events,
+)
 
-DEFAULT_MODEL = "scripted"
 RECORDED_HEADERS = ("authorization",)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-START_DEADLINE_SECONDS = 20.0
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 DONE_FRAME = b"data: [DONE]\n\n"
 # Cutting a stream on purpose (drop_after) makes uvicorn log this; it is the point, not a fault.
@@ -193,153 +188,6 @@ class PacedStream(Response):
             await asyncio.sleep(self.pacing.pause_before(index))
             await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def conversation(items: object) -> list[tuple[str, str]]:
-    """(role, text) of each message in chat `messages` or Responses `input`."""
-    if isinstance(items, str):
-        return [("user", items)]
-    pairs = []
-    for item in items if isinstance(items, list) else []:
-        content = item.get("content") if isinstance(item, dict) else None
-        if isinstance(content, list):
-            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-        if isinstance(content, str) and "role" in item:
-            pairs.append((str(item["role"]), content))
-    return pairs
-
-
-def script_text(script: Json, turns: list[tuple[str, str]]) -> str:
-    if "text" in script:
-        return str(script["text"])
-    said = next((text for role, text in reversed(turns) if role == "user"), "")
-    return f"Hello from the scripted upstream. You said: {said}"
-
-
-def text_pieces(text: str, words_per_chunk: int) -> list[str]:
-    """The text cut into chunks of whole words, each word keeping the whitespace after it."""
-    words = re.findall(r"\S+\s*|\s+", text)
-    return ["".join(batch) for batch in itertools.batched(words, max(1, words_per_chunk))]
-
-
-def count_words(turns: list[tuple[str, str]]) -> int:
-    return sum(len(text.split()) for _, text in turns)
-
-
-def chat_chunk(envelope: Json, delta: Json, finish_reason: str | None = None) -> Json:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    return {**envelope, "choices": [choice]}
-
-
-def raw_chat_chunk(envelope: Json, given: Json) -> Json:
-    """A script's raw chunk: full chunks get missing envelope fields, shorthands become choices[0]."""
-    if "object" in given or "choices" in given:
-        return {**envelope, **given}
-    if set(given) == {"usage"}:
-        return {**envelope, "choices": [], "usage": given["usage"]}
-    choice = {"index": 0, "delta": {}, "finish_reason": None, "logprobs": None, **given}
-    return {**envelope, "choices": [choice]}
-
-
-def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bool) -> list[Json]:
-    """Every chat.completion.chunk the script produces, without the closing [DONE]."""
-    if "chunks" in script:
-        return [raw_chat_chunk(envelope, given) for given in script["chunks"]]
-    turns = conversation(body.get("messages"))
-    pieces = text_pieces(script_text(script, turns), int(script.get("words_per_chunk", 1)))
-    deltas = [{"role": "assistant", "content": ""}, *({"content": piece} for piece in pieces)]
-    chunks = [chat_chunk(envelope, delta) for delta in deltas]
-    chunks.append(chat_chunk(envelope, {}, script.get("finish_reason", "stop")))
-    prompt_tokens = count_words(turns)
-    counted = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces)}
-    usage = script.get("usage", {**counted, "total_tokens": prompt_tokens + len(pieces)})
-    if is_usage_wanted and usage is not None:
-        chunks.append({**envelope, "choices": [], "usage": usage})
-    return chunks
-
-
-def merge_tool_call(calls: dict[int, Json], delta: Json) -> None:
-    call = calls.setdefault(delta.get("index", 0), {"id": "", "type": "function"})
-    function = call.setdefault("function", {"name": "", "arguments": ""})
-    call["id"] = delta.get("id") or call["id"]
-    function["name"] += (delta.get("function") or {}).get("name") or ""
-    function["arguments"] += (delta.get("function") or {}).get("arguments") or ""
-
-
-def assemble_completion(chunks: list[Json], envelope: Json) -> Json:
-    """The chat.completion object a non-streaming client gets for the same chunks."""
-    content, finish_reason, usage, calls = "", "stop", None, cast(dict[int, Json], {})
-    for chunk in chunks:
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            content += delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                merge_tool_call(calls, call)
-            finish_reason = choice.get("finish_reason") or finish_reason
-    message: Json = {"role": "assistant", "content": content or None, "refusal": None}
-    if calls:
-        message["tool_calls"] = [calls[index] for index in sorted(calls)]
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-    return {**envelope, "object": "chat.completion", "choices": [choice], "usage": usage}
-
-
-def response_snapshot(body: Json, response_id: str, status: str, output: list[Json], usage: object) -> Json:
-    now = int(time.time())
-    return {
-        "id": response_id, "object": "response", "created_at": now, "status": status,
-        "model": body.get("model", DEFAULT_MODEL), "output": output, "usage": usage,
-        "completed_at": now if status == "completed" else None, "error": None,
-        "incomplete_details": None, "instructions": body.get("instructions"),
-        "metadata": body.get("metadata") or {}, "parallel_tool_calls": True, "tool_choice": "auto",
-        "tools": [], "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "text": {"format": {"type": "text"}}, "background": False,
-    }  # fmt: skip
-
-
-def responses_usage(script: Json, turns: list[tuple[str, str]], output_tokens: int) -> Json | None:
-    input_tokens = count_words(turns)
-    counted = {
-        "input_tokens": input_tokens, "output_tokens": output_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": input_tokens + output_tokens,
-    }  # fmt: skip
-    return cast(Json | None, script.get("usage", counted))
-
-
-def response_events(script: Json, body: Json) -> list[Json]:
-    """The Responses events of one text message, numbered from 0 (PROTOCOL.md §4.1 order)."""
-    if "events" in script:
-        return [{"sequence_number": i, **event} for i, event in enumerate(script["events"])]
-    turns = conversation(body.get("input"))
-    text = script_text(script, turns)
-    pieces = text_pieces(text, int(script.get("words_per_chunk", 1)))
-    response_id, message_id = f"resp_up{uuid.uuid4().hex}", f"msg_up{uuid.uuid4().hex}"
-    started = response_snapshot(body, response_id, "in_progress", [], None)
-    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
-    message: Json = {"type": "message", "id": message_id, "role": "assistant", "status": "in_progress"}
-    message["content"] = []
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    full_part, done_message = {**part, "text": text}, {**message, "status": "completed"}
-    done_message["content"] = [full_part]
-    usage = responses_usage(script, turns, len(pieces))
-    events: list[Json] = [
-        {"type": "response.created", "response": started},
-        {"type": "response.in_progress", "response": started},
-        {"type": "response.output_item.added", "output_index": 0, "item": message},
-        {"type": "response.content_part.added", **where, "part": part},
-        *({"type": "response.output_text.delta", **where, "delta": p, "logprobs": []} for p in pieces),
-        {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-        {"type": "response.content_part.done", **where, "part": full_part},
-        {"type": "response.output_item.done", "output_index": 0, "item": done_message},
-        {"type": "response.completed",
-         "response": response_snapshot(body, response_id, "completed", [done_message], usage)},
-    ]  # fmt: skip
-    return [{**event, "sequence_number": number} for number, event in enumerate(events)]
-
-
-def encode(data: object) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def error_response(script: Json) -> JSONResponse:
@@ -486,76 +334,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     with contextlib.suppress(KeyboardInterrupt):
         UpstreamServer(config, state).run(sockets=[sock])
-
-
-class UpstreamStartError(RuntimeError):
-    """The scripted upstream process did not report that it listens."""
-
-
-def read_listening_url(process: subprocess.Popen[str], timeout: float) -> str:
-    """The base URL from the child's `LISTENING <url>` line, or UpstreamStartError."""
-    assert process.stdout is not None
-    is_ready = bool(select.select([process.stdout], [], [], timeout)[0])
-    line = process.stdout.readline() if is_ready else ""
-    if not line.startswith("LISTENING "):
-        process.kill()
-        process.wait()
-        raise UpstreamStartError(f"no LISTENING line within {timeout}s (exit {process.returncode}): {line!r}")
-    return line.split()[1]
-
-
-class ScriptedUpstream:
-    """Starts the server as a subprocess; .url is "http://127.0.0.1:<port>/v1"."""
-
-    def __init__(self, process: subprocess.Popen[str], base_url: str) -> None:
-        self.process = process
-        self.base_url = base_url
-        self.url = f"{base_url}/v1"
-        self.client = httpx.Client(base_url=base_url, timeout=10.0)
-
-    @classmethod
-    def start(cls) -> ScriptedUpstream:
-        command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", "0"]
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-        return cls(process, read_listening_url(process, START_DEADLINE_SECONDS))
-
-    def stop(self) -> None:
-        self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-
-    def script(self, model: str, script: Json) -> None:
-        self.client.post("/_script", json={"model": model, "script": script}).raise_for_status()
-
-    def requests(self, model: str | None = None) -> list[Json]:
-        params = {} if model is None else {"model": model}
-        response = self.client.get("/_requests", params=params)
-        response.raise_for_status()
-        return cast(list[Json], response.json())
-
-    def stats(self, until_active: int | None = None, timeout: float = 5.0) -> Json:
-        """Stream counters; with `until_active`, read once that many streams are open (or at timeout)."""
-        params = {} if until_active is None else {"until_active": until_active, "timeout": timeout}
-        response = self.client.get("/_stats", params=params, timeout=timeout + 5)
-        response.raise_for_status()
-        return cast(Json, response.json())
-
-    def reset(self) -> None:
-        self.client.post("/_reset").raise_for_status()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

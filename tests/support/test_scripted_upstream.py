@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.upstream_process import ScriptedUpstream
 
 CONCURRENT_STREAMS = 300
 

@@ -10,8 +10,8 @@ import pytest
 from rq import Queue
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 
-from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.stack import Stack, wait_for
+from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = pytest.mark.integration
 

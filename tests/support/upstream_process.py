@@ -1,0 +1,92 @@
+"""Starting and driving the scripted upstream as a real process, from tests.
+
+Owns `ScriptedUpstream`: it spawns `python -m tests.support.scripted_upstream --port 0` as a
+subprocess, reads its `LISTENING <url>` line, and wraps the control routes (`/_script`,
+`/_requests`, `/_stats`, `/_reset`) in methods; `UpstreamStartError` when it never listens.
+"""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Self, cast
+
+import httpx
+
+from tests.support.upstream_frames import Json
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE_SECONDS = 20.0
+
+
+class UpstreamStartError(RuntimeError):
+    """The scripted upstream process did not report that it listens."""
+
+
+def read_listening_url(process: subprocess.Popen[str], timeout: float) -> str:
+    """The base URL from the child's `LISTENING <url>` line, or UpstreamStartError."""
+    assert process.stdout is not None
+    is_ready = bool(select.select([process.stdout], [], [], timeout)[0])
+    line = process.stdout.readline() if is_ready else ""
+    if not line.startswith("LISTENING "):
+        process.kill()
+        process.wait()
+        raise UpstreamStartError(f"no LISTENING line within {timeout}s (exit {process.returncode}): {line!r}")
+    return line.split()[1]
+
+
+class ScriptedUpstream:
+    """Starts the server as a subprocess; .url is "http://127.0.0.1:<port>/v1"."""
+
+    def __init__(self, process: subprocess.Popen[str], base_url: str) -> None:
+        self.process = process
+        self.base_url = base_url
+        self.url = f"{base_url}/v1"
+        self.client = httpx.Client(base_url=base_url, timeout=10.0)
+
+    @classmethod
+    def start(cls) -> ScriptedUpstream:
+        command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", "0"]
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        return cls(process, read_listening_url(process, START_DEADLINE_SECONDS))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def script(self, model: str, script: Json) -> None:
+        self.client.post("/_script", json={"model": model, "script": script}).raise_for_status()
+
+    def requests(self, model: str | None = None) -> list[Json]:
+        params = {} if model is None else {"model": model}
+        response = self.client.get("/_requests", params=params)
+        response.raise_for_status()
+        return cast(list[Json], response.json())
+
+    def stats(self, until_active: int | None = None, timeout: float = 5.0) -> Json:
+        """Stream counters; with `until_active`, read once that many streams are open (or at timeout)."""
+        params = {} if until_active is None else {"until_active": until_active, "timeout": timeout}
+        response = self.client.get("/_stats", params=params, timeout=timeout + 5)
+        response.raise_for_status()
+        return cast(Json, response.json())
+
+    def reset(self) -> None:
+        self.client.post("/_reset").raise_for_status()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
