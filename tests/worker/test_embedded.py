@@ -18,6 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from tests.support.processes import is_alive
 from worker.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
 
 Server = EmbeddedRedis | EmbeddedPostgres
@@ -79,15 +80,6 @@ def data_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _is_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie counts as gone, since this machine's PID 1 may never reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def _processes_in(directory: Path) -> list[int]:
     """Live processes whose working directory is `directory` (both servers chdir into theirs)."""
     pids = []
@@ -116,7 +108,7 @@ def test_data_survives_stop_and_start(kind: Kind, data_dir: Path) -> None:
     server = kind.start(long_dir)
     kind.write(server.url)
     server.stop()
-    assert not _is_alive(server.process.pid)
+    assert not is_alive(server.process.pid)
     assert _processes_in(long_dir / kind.subdir) == []
 
     again = kind.start(long_dir)
@@ -210,7 +202,7 @@ def test_servers_stop_when_their_parent_is_killed(data_dir: Path) -> None:
 
     parent.kill()
     parent.wait()
-    assert _wait_until(lambda: not _is_alive(redis_pid) and not _is_alive(postgres_pid))
+    assert _wait_until(lambda: not is_alive(redis_pid) and not is_alive(postgres_pid))
 
     redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
     try:
@@ -232,13 +224,13 @@ def test_start_stops_servers_that_outlived_their_parent(data_dir: Path) -> None:
     os.kill(postgres_pid, signal.SIGSTOP)
     parent.kill()
     parent.wait()
-    assert _is_alive(redis_pid)
-    assert _is_alive(postgres_pid)
+    assert is_alive(redis_pid)
+    assert is_alive(postgres_pid)
 
     redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
     try:
-        assert not _is_alive(redis_pid)
-        assert not _is_alive(postgres_pid)
+        assert not is_alive(redis_pid)
+        assert not is_alive(postgres_pid)
         assert _redis_read(redis_again.url) == MARKER
         assert _postgres_read(postgres_again.url) == MARKER
     finally:

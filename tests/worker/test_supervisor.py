@@ -11,16 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import is_alive
 from worker.supervisor import Supervisor
-
-
-def _is_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie counts as gone, since this machine's PID 1 may never reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _python(code: str) -> list[str]:
@@ -85,7 +77,7 @@ def test_signal_stops_every_child_and_exits_zero(signum: signal.Signals) -> None
     with driver.stdout:
         received = [line for line in driver.stdout.read().splitlines() if " | SIG" in line]
     assert sorted(received) == ["first | SIGTERM", "second | SIGTERM"]
-    assert [pid for pid in pids if _is_alive(pid)] == []
+    assert [pid for pid in pids if is_alive(pid)] == []
 
 
 def _ready_pipe(tmp_path: Path) -> Path:
@@ -124,7 +116,7 @@ def test_unexpected_exit_stops_the_rest_and_returns_its_status(
     supervisor.spawn("trigger", _trigger(fifo, exit_code), env={})
 
     assert supervisor.wait() == status
-    assert not _is_alive(_pid_from(output))
+    assert not is_alive(_pid_from(output))
 
 
 def test_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
@@ -140,7 +132,7 @@ def test_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path)
     supervisor.spawn("trigger", _trigger(fifo, "raise SystemExit(1)"), env={})
 
     assert supervisor.wait() == 1
-    assert not _is_alive(_pid_from(output))
+    assert not is_alive(_pid_from(output))
 
 
 def test_grandchildren_are_stopped_with_their_parent(tmp_path: Path) -> None:
@@ -157,7 +149,7 @@ def test_grandchildren_are_stopped_with_their_parent(tmp_path: Path) -> None:
     supervisor.spawn("trigger", _trigger(fifo, "raise SystemExit(2)"), env={})
 
     assert supervisor.wait() == 2
-    assert not _is_alive(_pid_from(output))
+    assert not is_alive(_pid_from(output))
 
 
 def test_output_lines_carry_the_child_name() -> None:
