@@ -1,0 +1,77 @@
+"""An agent built with `openai-agents`, its Responses model pointed at respool, using a function tool."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+from tests.conftest import KEY_A
+from tests.support.stack import Stack
+from tests.support.upstream_process import ScriptedUpstream
+
+pytestmark = pytest.mark.integration
+
+set_tracing_disabled(True)  # the SDK's trace exporter would call OpenAI's servers
+
+TOOL_CALL = [
+    {
+        "delta": {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_w1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ],
+        }
+    },
+    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}},
+    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}},
+    {"delta": {}, "finish_reason": "tool_calls"},
+]
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"It is sunny in {city}."
+
+
+@pytest.fixture
+async def async_client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0) as sdk:
+        yield sdk
+
+
+def _agent(model: str, client: openai.AsyncOpenAI) -> Agent:
+    return Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=model, openai_client=client),
+    )
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_agent_function_tool_round_trip(
+    async_client: openai.AsyncOpenAI, upstream: ScriptedUpstream, model: str, streamed: bool
+) -> None:
+    """The agent calls the tool through respool, sends its result back, and finishes with the model's answer."""
+    upstream.script(model, {"chunks": TOOL_CALL, "times": 1, "then": {"text": "Sunny in Paris today."}})
+    agent = _agent(model, async_client)
+    if streamed:
+        result = Runner.run_streamed(agent, "What is the weather in Paris?")
+        kinds = {event.type async for event in result.stream_events()}
+        assert "raw_response_event" in kinds
+    else:
+        result = await Runner.run(agent, "What is the weather in Paris?")
+    assert result.final_output == "Sunny in Paris today."
+    first, second = upstream.requests(model)[-2:]
+    assert first["tools"][0]["function"]["name"] == "get_weather"
+    tool_message = next(m for m in second["messages"] if m["role"] == "tool")
+    assert (tool_message["tool_call_id"], tool_message["content"]) == ("call_w1", "It is sunny in Paris.")
