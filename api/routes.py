@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from api.auth import owner
 from api.errors import committed_error_response
-from api.sse import HEARTBEAT_SECONDS, sse_response
+from api.sse import sse_response
 from worker.errors import InvalidRequestError
 from worker.service import ResponseService
 
@@ -40,7 +40,7 @@ async def create_response(request: Request, owner: Owner) -> Response:
     created = await service.create(owner, await _json_body(request))
     response_id = created.response["id"]
     if created.request.is_stream:
-        return sse_response(service.follow(response_id, -1, HEARTBEAT_SECONDS))
+        return sse_response(service.follow(response_id, -1, service.settings.sse_heartbeat_seconds))
     if created.request.is_background:
         return ORJSONResponse(created.response)
     try:
@@ -63,7 +63,7 @@ async def retrieve_response(
         return ORJSONResponse(await service.retrieve(owner, response_id))
     await service.check_streamable(owner, response_id)
     after = -1 if starting_after is None else starting_after
-    return sse_response(service.follow(response_id, after, HEARTBEAT_SECONDS))
+    return sse_response(service.follow(response_id, after, service.settings.sse_heartbeat_seconds))
 
 
 @router.post("/responses/{response_id}/cancel")

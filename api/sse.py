@@ -11,7 +11,6 @@ from starlette.responses import StreamingResponse
 from worker.events import Event
 
 HEARTBEAT = b": keepalive\n\n"
-HEARTBEAT_SECONDS = 15.0
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 

@@ -76,7 +76,7 @@ def queue_only(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[St
     """An API with no worker on its queue, no keys and no upstream: responses stay queued."""
     logs = session_dir / "logs-queue-only"
     logs.mkdir()
-    running = Stack(_env(backing), logs)
+    running = Stack(_env(backing, RESPOOL_SSE_HEARTBEAT_SECONDS="0.2"), logs)
     running.start_api("api-queue-only")
     yield running
     running.stop_all()

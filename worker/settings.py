@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     drain_seconds: float = 30.0
     upstream_timeout_seconds: float = 600.0
 
+    # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
+    sse_heartbeat_seconds: float = 15.0
+
     # Retention (DESIGN.md §2.7).
     stream_ttl_seconds: int = 3600
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -103,3 +105,25 @@ def test_parse_with_a_pydantic_format(client: openai.OpenAI, upstream: ScriptedU
     assert parsed.output_parsed == Answer(said="hi")
     sent = upstream.requests(model)[-1]
     assert sent["response_format"]["type"] == "json_schema"
+
+
+def test_a_queued_response_streams_heartbeats_until_it_ends(
+    queue_only: Stack, open_client: openai.OpenAI
+) -> None:
+    """Streaming a response still queued sends its first events, comment heartbeats while silent, and its end."""
+    created = open_client.responses.create(model="synthetic", input="x", background=True)
+    url = f"{queue_only.url}/v1/responses/{created.id}?stream=true"
+    frames: list[str] = []
+    with httpx.stream("GET", url, timeout=30) as answer:
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        for line in answer.iter_lines():
+            frames.append(line)
+            if line == ": keepalive" and frames.count(": keepalive") == 2:
+                open_client.responses.cancel(created.id)
+    data = [line for line in frames if line.startswith("data: ")]
+    assert [json.loads(line[6:])["type"] for line in data] == [
+        "response.created",
+        "response.queued",
+        "response.failed",
+    ]
+    assert not any(line.startswith("id:") for line in frames)  # PROTOCOL.md §5.3
