@@ -19,7 +19,7 @@ from typing import cast
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from worker.events import Entry, Event, decode_entry, entry_id, read_events, sequence_of
+from worker.events import Entry, Event, decode_entry, entry_id, read_events
 from worker.keys import events_key, wake_key
 
 log = logging.getLogger("respool.tailer")
@@ -131,9 +131,12 @@ class Tailer:
             self._deliver(name, entries)
 
     def _deliver(self, key: str, entries: list[Entry]) -> None:
-        for subscriber in self._subscribers.get(key, ()):
-            for entry, fields in entries:
-                sequence = sequence_of(entry)
-                if sequence > subscriber.position:
-                    subscriber.queue.put_nowait(decode_entry(entry, fields))
-                    subscriber.position = sequence
+        subscribers = self._subscribers.get(key)
+        if not subscribers:
+            return
+        events = [decode_entry(entry, fields) for entry, fields in entries]  # once, for every reader
+        for subscriber in subscribers:
+            for event in events:
+                if event.sequence_number > subscriber.position:
+                    subscriber.queue.put_nowait(event)
+                    subscriber.position = event.sequence_number
