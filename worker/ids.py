@@ -8,8 +8,3 @@ import secrets
 def new_id(prefix: str) -> str:
     """A fresh id: the prefix, an underscore and 48 hex digits (as long as OpenAI's)."""
     return f"{prefix}_{secrets.token_hex(24)}"
-
-
-def is_response_id(value: str) -> bool:
-    """Whether `value` has the form of a respool response id."""
-    return value.startswith("resp_") and 5 < len(value) <= 64 and value[5:].isalnum()

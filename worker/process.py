@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis as SyncRedis
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
@@ -116,8 +117,6 @@ class ResponseWorker(BaseWorker):
         while not self._slots.acquire(timeout=1.0):
             self.heartbeat()
             if self._stop_requested:
-                from rq.exceptions import StopRequested
-
                 raise StopRequested()
 
     async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:

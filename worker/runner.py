@@ -210,8 +210,7 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
     body = chat_request.to_chat_request(
         stored.request, stored.conversation, route.upstream_model or route.model
     )
-    include = stored.request.get("include") or []
-    state = chat_stream.start_stream(include_logprobs="message.output_text.logprobs" in include)
+    state = chat_stream.start_stream(include_logprobs=chat_request.includes_logprobs(stored.request))
     async for chunk in _chat_chunks(rt, route, body):
         events = chat_stream.translate_chunk(state, chunk)
         if events:

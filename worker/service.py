@@ -17,7 +17,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from rq import Queue
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import store
@@ -281,8 +281,6 @@ class _database:
 
 
 def _is_connection_error(exc: SQLAlchemyError) -> bool:
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-
     return isinstance(exc, OperationalError | InterfaceError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     )
