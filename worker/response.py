@@ -90,7 +90,15 @@ def finished(
 
 
 def failed(
-    response: dict[str, Any], message: str, completed_at: int, code: str = "server_error"
+    response: dict[str, Any],
+    message: str,
+    completed_at: int,
+    code: str = "server_error",
+    output: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A copy of `response` as `failed`, with a `ResponseError` (PROTOCOL.md §1.3)."""
-    return finished(response, Status.FAILED, completed_at, error={"code": code, "message": message})
+    """A copy of `response` as `failed`, with a `ResponseError` (PROTOCOL.md §1.3).
+
+    `output` is what the response had streamed before it failed, its open items ended `incomplete`.
+    """
+    error = {"code": code, "message": message}
+    return finished(response, Status.FAILED, completed_at, error=error, output=output or [])

@@ -26,7 +26,7 @@ from worker.response import TERMINAL, Status, failed, finished, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
-from worker.translation import chat_request, chat_stream, native
+from worker.translation import chat_request, chat_stream, native, output
 from worker.upstream import UpstreamError, create_client, stream_json
 
 log = logging.getLogger("respool.runner")
@@ -42,6 +42,18 @@ class CancelRequested(Exception):
 
 class FencedOut(Exception):
     """Another attempt holds the response now: this one must write nothing more."""
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed after output had started: `output` is what was streamed, ended `incomplete`."""
+
+    def __init__(self, message: str, output_: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.output = output_
+
+
+# What the upstream can do wrong: each ends the response `failed` with its message.
+_UPSTREAM_FAULTS = (UpstreamError, native.NativeFailure, RespoolError)
 
 
 @dataclass
@@ -190,9 +202,10 @@ async def _produce(
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         return None
-    except (UpstreamError, native.NativeFailure, RespoolError) as exc:
+    except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
         log.info("response %s failed: %s", stored.id, exc)
-        return failed(response, f"The upstream model failed: {exc}", int(time.time()))
+        streamed = exc.output if isinstance(exc, UpstreamFailed) else []
+        return failed(response, f"The upstream model failed: {exc}", int(time.time()), output=streamed)
     return finished(
         response,
         Status(outcome.status),
@@ -211,13 +224,13 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
         stored.request, stored.conversation, route.upstream_model or route.model
     )
     state = chat_stream.start_stream(include_logprobs=chat_request.includes_logprobs(stored.request))
-    async for chunk in _chat_chunks(rt, route, body):
-        events = chat_stream.translate_chunk(state, chunk)
-        if events:
-            await writer.emit(events)
-    events, outcome = chat_stream.finish_stream(state)
-    if events:
-        await writer.emit(events)
+    try:
+        async for chunk in _chat_chunks(rt, route, body):
+            await _emit(writer, chat_stream.translate_chunk(state, chunk))
+        events, outcome = chat_stream.finish_stream(state)
+    except _UPSTREAM_FAULTS as exc:
+        raise await _fail_mid_stream(writer, state.output, exc) from exc
+    await _emit(writer, events)
     return outcome
 
 
@@ -234,11 +247,25 @@ async def _generate_native(
         stored.request, stored.conversation, route.upstream_model or route.model
     )
     state = native.NativeStream()
-    async for upstream_event in stream_json(rt.http, route, "/responses", body):
-        events = native.translate_event(state, upstream_event)
-        if events:
-            await writer.emit(events)
-    return native.finish_stream(state)
+    try:
+        async for upstream_event in stream_json(rt.http, route, "/responses", body):
+            await _emit(writer, native.translate_event(state, upstream_event))
+        events, outcome = native.finish_stream(state)
+    except _UPSTREAM_FAULTS as exc:
+        raise await _fail_mid_stream(writer, state.output, exc) from exc
+    await _emit(writer, events)
+    return outcome
+
+
+async def _emit(writer: ResponseWriter, events: list[dict[str, Any]]) -> None:
+    if events:
+        await writer.emit(events)
+
+
+async def _fail_mid_stream(writer: ResponseWriter, out: output.Output, exc: Exception) -> UpstreamFailed:
+    """End the items the upstream had opened as `incomplete`, so the stream adds up to the failed Response."""
+    await _emit(writer, output.close_open(out, "incomplete"))
+    return UpstreamFailed(str(exc), output.output_items(out))
 
 
 async def _finish(

@@ -1,0 +1,366 @@
+"""Output items under construction: how what a model says is told as Responses stream events.
+
+Both translations drive this one state machine: `chat_stream` from Chat Completions chunks and
+`native` from an upstream's Responses events. They decide *what* the model said (text, a refusal,
+reasoning, a tool call); this module decides how it is told (PROTOCOL.md §0.4, §4.1, §6):
+`output_item.added` before any delta of its `output_index`, `content_part.added` before any delta
+of its `content_index`, an `output_index` per item in order of first appearance, ids minted here
+(`msg_`, `rs_`, `fc_`, ...), every `.added` paired with its `.done`, and the items' final bodies,
+so the final Response is exactly what its events add up to. Pure: no I/O.
+
+Rules:
+- text of another item type than the open message/reasoning item => that item is done, a new one
+  starts; text of another part type => the open part is done, a new one starts
+- message and reasoning items are open one at a time, and starting one ends every open item;
+  tool calls ("side" items, keyed by the caller) stay open side by side until closed, until a
+  message or reasoning item starts, until the stream ends, or (function calls) until their key
+  is reused
+- `close_open` ends every open item with one status: `completed`, or `incomplete` when the
+  response ended early or failed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.ids import new_id
+
+Event = dict[str, Any]
+
+# PROTOCOL.md §4: per part type, the event type prefix of its deltas and the field its `.done`
+# event (and the part itself) carries the full text in.
+PART_EVENTS = {
+    "output_text": ("response.output_text", "text"),
+    "refusal": ("response.refusal", "refusal"),
+    "reasoning_text": ("response.reasoning_text", "text"),
+    "summary_text": ("response.reasoning_summary_text", "text"),
+}
+
+# The fields of an item that this module owns; any other field a caller gives is kept as given.
+_OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments"})
+_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+
+
+@dataclass
+class Part:
+    type: str  # a key of PART_EVENTS
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    annotations: list[dict[str, Any]] = field(default_factory=list)
+    is_open: bool = True
+
+
+@dataclass
+class Item:
+    output_index: int
+    fields: dict[str, Any]  # `type`, `id` and the item's other fixed fields
+    parts: list[Part] = field(default_factory=list)  # content parts
+    summary: list[Part] = field(default_factory=list)  # reasoning summary parts
+    arguments: list[str] = field(default_factory=list)  # function calls
+    body: dict[str, Any] | None = None  # any other item type: its whole body, as last given
+    status: str = "in_progress"
+
+    @property
+    def type(self) -> str:
+        return str(self.fields["type"])
+
+    @property
+    def id(self) -> str:
+        return str(self.fields["id"])
+
+
+@dataclass
+class Output:
+    """Every item so far, by output_index; the open message or reasoning item; open side items."""
+
+    items: list[Item] = field(default_factory=list)
+    current: Item | None = None
+    side: dict[Hashable, Item] = field(default_factory=dict)
+
+
+# --- what the model says ------------------------------------------------------------------------
+
+
+def append_text(
+    out: Output, item_type: str, part_type: str, text: str | None, logprobs: Iterable[Event] = ()
+) -> list[Event]:
+    """A delta of `part_type` text in the open `item_type` item, opening item and part as needed."""
+    if not text:
+        return []
+    events = _ensure_part(out, item_type, part_type)
+    item = out.current
+    assert item is not None
+    part = item.parts[-1]
+    part.text.append(text)
+    delta: Event = {"type": f"{PART_EVENTS[part_type][0]}.delta", **address(item)}
+    delta.update(content_index=len(item.parts) - 1, delta=text)
+    if part_type == "output_text":
+        tokens = list(logprobs)
+        part.logprobs.extend(tokens)
+        delta["logprobs"] = tokens
+    return [*events, delta]
+
+
+def start_item(out: Output, item_type: str, fields: dict[str, Any] | None = None) -> list[Event]:
+    """Close every open item and open a new `item_type` one (an explicit boundary)."""
+    # PROTOCOL.md §4.1: what was open is done once something else starts.
+    events = close_open(out, "completed")
+    item = _new_item(out, {**_kept(fields), "id": new_id(_ID_PREFIXES[item_type]), "type": item_type})
+    if item_type == "message":
+        item.fields.setdefault("role", "assistant")
+    out.current = item
+    return [*events, item_event("added", item)]
+
+
+def start_part(out: Output, item_type: str, part_type: str) -> list[Event]:
+    """Open a new `part_type` part in the open `item_type` item, even if one of that type is open."""
+    events = _ensure_item(out, item_type)
+    item = out.current
+    assert item is not None
+    return events + _open_part(item, part_type)
+
+
+def append_summary(out: Output, text: str | None, *, new_part: bool = False) -> list[Event]:
+    """Reasoning summary text (PROTOCOL.md §4.1, "Reasoning (summaries)"); `new_part` starts the next summary."""
+    events = _ensure_item(out, "reasoning")
+    item = out.current
+    assert item is not None
+    if new_part or not item.summary or not item.summary[-1].is_open:
+        events += _close_summary(item) + _open_summary(item)
+    if text:
+        item.summary[-1].text.append(text)
+        where = {**address(item), "summary_index": len(item.summary) - 1}
+        events.append({"type": "response.reasoning_summary_text.delta", **where, "delta": text})
+    return events
+
+
+def add_annotation(out: Output, annotation: dict[str, Any]) -> list[Event]:
+    """An annotation on the open output_text part (a citation, a file path)."""
+    events = _ensure_part(out, "message", "output_text")
+    item = out.current
+    assert item is not None
+    part = item.parts[-1]
+    part.annotations.append(annotation)
+    where = {**address(item), "content_index": len(item.parts) - 1}
+    index = len(part.annotations) - 1
+    added = {"type": "response.output_text.annotation.added", **where, "annotation_index": index}
+    return [*events, {**added, "annotation": annotation}]
+
+
+def open_call(
+    out: Output, key: Hashable, call_id: str | None, name: str | None, fields: dict[str, Any] | None = None
+) -> list[Event]:
+    """Open a function call under `key`; an open call under the same key is done first."""
+    events = close_current(out)
+    if key in out.side:
+        events += close_item(out.side.pop(key), "completed")
+    item = _new_item(
+        out,
+        {
+            **_kept(fields),
+            "id": new_id("fc"),
+            "type": "function_call",
+            "call_id": call_id or new_id("call"),
+            "name": name or "",
+        },
+    )
+    out.side[key] = item
+    return [*events, item_event("added", item)]
+
+
+def call(out: Output, key: Hashable) -> Item | None:
+    """The open side item under `key`, if any."""
+    return out.side.get(key)
+
+
+def append_arguments(item: Item, arguments: str | None) -> list[Event]:
+    if not arguments:
+        return []
+    item.arguments.append(arguments)
+    return [{"type": "response.function_call_arguments.delta", **address(item), "delta": arguments}]
+
+
+def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[Event]:
+    """Open an item of a type this module does not model (a hosted tool call): its body is the caller's."""
+    events = close_current(out)
+    prefix = str(body.get("id") or "").partition("_")[0] or "item"
+    item = _new_item(out, {"id": new_id(prefix), "type": body["type"]})
+    item.body = dict(body)
+    out.side[key] = item
+    return [*events, item_event("added", item)]
+
+
+def update_fields(item: Item, fields: dict[str, Any]) -> None:
+    """Add the fields this module does not own (e.g. `encrypted_content`) that the item lacks.
+
+    A field already told (a `call_id`, a `name`) is never changed: clients match on it
+    (PROTOCOL.md §6.3: `output_item.done` keeps the added item's identity). Hosted tool items are
+    the caller's: their body is replaced.
+    """
+    if item.body is not None:
+        item.body.update(fields)
+        return
+    for key, value in _kept(fields).items():
+        if not item.fields.get(key):
+            item.fields[key] = value
+
+
+# --- closing ------------------------------------------------------------------------------------
+
+
+def close_side(out: Output, key: Hashable, status: str = "completed") -> list[Event]:
+    item = out.side.pop(key, None)
+    return close_item(item, status) if item else []
+
+
+def close_current(out: Output) -> list[Event]:
+    item, out.current = out.current, None
+    return close_item(item, "completed") if item else []
+
+
+def close_open(out: Output, status: str) -> list[Event]:
+    """The `.done` events of every open item, in output order, each ending with `status`."""
+    items = sorted(
+        [*out.side.values(), *([out.current] if out.current else [])], key=lambda i: i.output_index
+    )
+    out.current, out.side = None, {}
+    return [event for item in items for event in close_item(item, status)]
+
+
+def close_item(item: Item, status: str) -> list[Event]:
+    events: list[Event] = []
+    if item.parts and item.parts[-1].is_open:
+        events += _close_part(item, len(item.parts) - 1)
+    events += _close_summary(item)
+    if item.type == "function_call":
+        arguments = "".join(item.arguments)
+        events.append(
+            {"type": "response.function_call_arguments.done", **address(item), "arguments": arguments}
+        )
+    item.status = status
+    return [*events, item_event("done", item)]
+
+
+def output_items(out: Output) -> list[dict[str, Any]]:
+    """The items as they stand, in output order (the final Response's `output`)."""
+    return [item_body(item) for item in out.items]
+
+
+# --- internals ----------------------------------------------------------------------------------
+
+
+def _ensure_item(out: Output, item_type: str) -> list[Event]:
+    """The open item is of `item_type`, opened (the other one closed) as needed."""
+    if out.current is not None and out.current.type == item_type:
+        return []
+    return start_item(out, item_type)
+
+
+def _ensure_part(out: Output, item_type: str, part_type: str) -> list[Event]:
+    events = _ensure_item(out, item_type)
+    item = out.current
+    assert item is not None
+    if not item.parts or item.parts[-1].type != part_type or not item.parts[-1].is_open:
+        events += _open_part(item, part_type)
+    return events
+
+
+def _open_part(item: Item, part_type: str) -> list[Event]:
+    events = _close_part(item, len(item.parts) - 1) if item.parts and item.parts[-1].is_open else []
+    item.parts.append(Part(part_type))
+    # PROTOCOL.md §0.4: `content_part.added` before any delta for its `content_index`.
+    return [*events, _part_event("added", item, len(item.parts) - 1)]
+
+
+def _close_part(item: Item, index: int) -> list[Event]:
+    part = item.parts[index]
+    part.is_open = False
+    prefix, text_field = PART_EVENTS[part.type]
+    done: Event = {"type": f"{prefix}.done", **address(item), "content_index": index}
+    done[text_field] = "".join(part.text)
+    if part.type == "output_text":
+        done["logprobs"] = list(part.logprobs)
+    return [done, _part_event("done", item, index)]
+
+
+def _open_summary(item: Item) -> list[Event]:
+    item.summary.append(Part("summary_text"))
+    return [_summary_event("added", item)]
+
+
+def _close_summary(item: Item) -> list[Event]:
+    if not item.summary or not item.summary[-1].is_open:
+        return []
+    part = item.summary[-1]
+    part.is_open = False
+    where = {**address(item), "summary_index": len(item.summary) - 1}
+    text = "".join(part.text)
+    return [
+        {"type": "response.reasoning_summary_text.done", **where, "text": text},
+        _summary_event("done", item),
+    ]
+
+
+def _new_item(out: Output, fields: dict[str, Any]) -> Item:
+    item = Item(output_index=len(out.items), fields=fields)
+    out.items.append(item)
+    return item
+
+
+def _kept(fields: dict[str, Any] | None) -> dict[str, Any]:
+    return {key: value for key, value in (fields or {}).items() if key not in _OWNED and value is not None}
+
+
+# --- shapes -------------------------------------------------------------------------------------
+
+
+def address(item: Item) -> Event:
+    return {"item_id": item.id, "output_index": item.output_index}
+
+
+def item_event(kind: str, item: Item) -> Event:
+    return {
+        "type": f"response.output_item.{kind}",
+        "output_index": item.output_index,
+        "item": item_body(item),
+    }
+
+
+def _part_event(kind: str, item: Item, index: int) -> Event:
+    part = _part_body(item.parts[index])
+    return {"type": f"response.content_part.{kind}", **address(item), "content_index": index, "part": part}
+
+
+def _summary_event(kind: str, item: Item) -> Event:
+    index = len(item.summary) - 1
+    where = {**address(item), "summary_index": index}
+    return {
+        "type": f"response.reasoning_summary_part.{kind}",
+        **where,
+        "part": _part_body(item.summary[index]),
+    }
+
+
+def item_body(item: Item) -> dict[str, Any]:
+    """The item as it stands (PROTOCOL.md §1.5)."""
+    if item.body is not None:  # the upstream's status words differ per hosted tool: its own win
+        return {"status": item.status, **item.body, "id": item.id, "type": item.type}
+    body = {**item.fields}
+    if item.type == "function_call":
+        body["arguments"] = "".join(item.arguments)
+    else:
+        if item.type == "reasoning":
+            body["summary"] = [_part_body(part) for part in item.summary]
+        body["content"] = [_part_body(part) for part in item.parts]
+    body["status"] = item.status
+    return body
+
+
+def _part_body(part: Part) -> dict[str, Any]:
+    _, text_field = PART_EVENTS[part.type]
+    body: dict[str, Any] = {"type": part.type, text_field: "".join(part.text)}
+    if part.type == "output_text":
+        body.update(annotations=list(part.annotations), logprobs=list(part.logprobs))
+    return body
