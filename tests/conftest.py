@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from redis import Redis
@@ -13,9 +14,32 @@ from rq import Queue
 
 from tests.support.stack import Servers, Stack, servers
 from tests.support.upstream_process import ScriptedUpstream
+from tests.support.validating import FAILURES, ValidatingTransport
+
+pytest_plugins = ["pytester"]
 
 KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
 NATIVE_MODEL = "scripted-native"
+
+
+@pytest.fixture(autouse=True)
+def wire_is_valid() -> Iterator[None]:
+    """Fails the test if respool sent any of its clients an invalid Response, event or SSE frame."""
+    yield
+    found = list(FAILURES)
+    FAILURES.clear()
+    if found:
+        pytest.fail("respool sent invalid output:\n" + "\n".join(found), pytrace=False)
+
+
+def make_sdk(url: str, key: str) -> openai.OpenAI:
+    """The official SDK on `url`, retries off so every answer is seen as sent, every answer validated."""
+    return openai.OpenAI(
+        base_url=url + "/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=httpx.Client(transport=ValidatingTransport()),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -84,23 +108,23 @@ def queue_only(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[St
 
 @pytest.fixture(scope="session")
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    """The official SDK as tenant A, retries off so every answer is seen as sent."""
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0) as sdk:
-        yield sdk
+    """The official SDK as tenant A."""
+    with make_sdk(stack.url, KEY_A) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")
 def other_client(stack: Stack) -> Iterator[openai.OpenAI]:
     """The official SDK as tenant B."""
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY_B, max_retries=0) as sdk:
-        yield sdk
+    with make_sdk(stack.url, KEY_B) as client:
+        yield client
 
 
 @pytest.fixture
 def open_client(queue_only: Stack) -> Iterator[openai.OpenAI]:
     """The SDK against the API that has no keys and no worker."""
-    with openai.OpenAI(base_url=queue_only.url + "/v1", api_key="anything", max_retries=0) as sdk:
-        yield sdk
+    with make_sdk(queue_only.url, "anything") as client:
+        yield client
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ def build_response(
     request: CreateRequest, response_id: str, created_at: int, status: Status
 ) -> dict[str, Any]:
     """The Response as it stands before any output: echoes the request (PROTOCOL.md §1.2)."""
-    text = request.text or {}
     return {
         "id": response_id,
         "object": "response",
@@ -53,9 +52,9 @@ def build_response(
         "service_tier": request.service_tier or "default",
         "store": request.is_stored,
         "temperature": 1.0 if request.temperature is None else request.temperature,
-        "text": {"format": {"type": "text"}, **text},
+        "text": _echo_text(request.text or {}),
         "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
-        "tools": request.tools or [],
+        "tools": [_echo_tool(tool) for tool in request.tools or []],
         "top_logprobs": request.top_logprobs or 0,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "presence_penalty": _number(request, "presence_penalty", 0.0),
@@ -65,6 +64,23 @@ def build_response(
         "user": request.user,
         "metadata": request.metadata or {},
     }
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as echoed: `description`, `parameters`, `strict` present, null when not given."""
+    if tool.get("type") != "function":
+        return tool
+    return {"description": None, "parameters": None, "strict": None, **tool}
+
+
+def _echo_text(text: dict[str, Any]) -> dict[str, Any]:
+    """`text` as echoed: the default format is `text`; a json_schema format has its `description`
+    (null when not given) and `strict` (false when not given, OpenAI's default)."""
+    echoed = {**text, "format": text.get("format") or {"type": "text"}}
+    if echoed["format"].get("type") == "json_schema":
+        echoed["format"] = {"description": None, **echoed["format"]}
+        echoed["format"]["strict"] = bool(echoed["format"].get("strict"))
+    return echoed
 
 
 def _number(request: CreateRequest, name: str, default: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpx
 import openai
 import pytest
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
@@ -11,6 +12,7 @@ from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_traci
 from tests.conftest import KEY_A
 from tests.support.stack import Stack
 from tests.support.upstream_process import ScriptedUpstream
+from tests.support.validating import AsyncValidatingTransport
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +46,11 @@ def get_weather(city: str) -> str:
 
 @pytest.fixture
 async def async_client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0) as sdk:
+    """The async SDK as tenant A, every answer validated."""
+    http = httpx.AsyncClient(transport=AsyncValidatingTransport())
+    async with openai.AsyncOpenAI(
+        base_url=stack.url + "/v1", api_key=KEY_A, max_retries=0, http_client=http
+    ) as sdk:
         yield sdk
 
 

@@ -103,10 +103,104 @@ def _tool(name: str) -> dict[str, Any]:
 def test_upstream_dropping_mid_stream_fails_the_response(
     client: openai.OpenAI, upstream: ScriptedUpstream, model: str
 ) -> None:
-    """An upstream that cuts the connection mid-stream ends the response with response.failed and a message."""
+    """An upstream cut mid-stream closes the open message incomplete, then ends response.failed with a message.
+
+    The failed Response carries what was streamed, so it is exactly what the events add up to.
+    """
     upstream.script(model, {"text": "one two three four five", "drop_after": 3})
     events = list(client.responses.create(model=model, input="x", stream=True))
-    assert events[-1].type == "response.failed"
-    error = events[-1].response.error
-    assert error is not None and error.code == "server_error" and "upstream" in error.message
-    assert client.responses.retrieve(events[0].response.id).status == "failed"
+    assert [event.type for event in events[-3:]] == [
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.failed",
+    ]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert (
+        final.error is not None and final.error.code == "server_error" and "upstream" in final.error.message
+    )
+    assert [(item.status, item.content[0].text) for item in final.output] == [("incomplete", "one two ")]  # type: ignore[union-attr]
+    assert final.output == [events[-2].item]  # type: ignore[union-attr]
+    stored = client.responses.retrieve(final.id)
+    assert stored.status == "failed" and stored.output == final.output
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+# Chat Completions logprobs of two tokens, each with its two most likely candidates.
+TOKENS = [
+    {**_token("Hi", -0.1), "top_logprobs": [_token("Hi", -0.1), _token("Hey", -2.3)]},
+    {**_token(" there", -0.5), "top_logprobs": [_token(" there", -0.5), _token(" you", -1.7)]},
+]
+LOGPROBS_SCRIPT = {
+    "chunks": [
+        {"delta": {"role": "assistant", "content": "Hi"}, "logprobs": {"content": [TOKENS[0]]}},
+        {"delta": {"content": " there"}, "logprobs": {"content": [TOKENS[1]]}},
+        {"delta": {}, "finish_reason": "stop"},
+    ]
+}
+
+
+def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
+    return [logprob.model_dump(mode="json", exclude_unset=True) for logprob in logprobs or []]
+
+
+def test_logprobs_stream_with_their_top_candidates(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """With logprobs included, each text delta, the text's done event and the stored part carry them."""
+    upstream.script(model, LOGPROBS_SCRIPT)
+    events = list(
+        client.responses.create(
+            model=model, input="x", stream=True, include=["message.output_text.logprobs"], top_logprobs=2
+        )
+    )
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert [_logprobs(event.logprobs) for event in deltas] == [[TOKENS[0]], [TOKENS[1]]]
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    assert (done.text, _logprobs(done.logprobs)) == ("Hi there", TOKENS)
+    final = events[-1].response  # type: ignore[union-attr]
+    stored = client.responses.retrieve(final.id)
+    for response in (final, stored):
+        part = response.output[0].content[0]  # type: ignore[union-attr]
+        assert part.type == "output_text" and _logprobs(part.logprobs) == TOKENS
+    sent = upstream.requests(model)[-1]
+    assert (sent["logprobs"], sent["top_logprobs"]) == (True, 2)
+
+
+USAGE_SCRIPT = {
+    "chunks": [
+        {"delta": {"role": "assistant", "content": "Done."}},
+        {"delta": {}, "finish_reason": "stop"},
+        {
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 7,
+                "total_tokens": 17,
+                "prompt_tokens_details": {"cached_tokens": 4},
+                "completion_tokens_details": {"reasoning_tokens": 3},
+            }
+        },
+    ]
+}
+
+
+def test_usage_keeps_cached_and_reasoning_tokens(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """The upstream's cached and reasoning token counts reach the terminal event's usage and the stored one."""
+    upstream.script(model, USAGE_SCRIPT)
+    events = list(client.responses.create(model=model, input="x", stream=True))
+    assert events[-1].type == "response.completed"
+    final = events[-1].response
+    for usage in (final.usage, client.responses.retrieve(final.id).usage):
+        assert usage is not None
+        counts = (usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens)
+        assert (*counts, usage.output_tokens_details.reasoning_tokens, usage.total_tokens) == (
+            10,
+            4,
+            7,
+            3,
+            17,
+        )

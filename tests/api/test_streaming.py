@@ -10,9 +10,11 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.conftest import KEY_A, make_sdk
 from tests.support.schema import validate_event, validate_response
 from tests.support.stack import Stack
 from tests.support.upstream_process import ScriptedUpstream
+from tests.support.validating import ValidatingTransport
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +22,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def second_api(stack: Stack) -> Iterator[openai.OpenAI]:
     """The SDK against a second API process on the same Redis and Postgres."""
-    from tests.conftest import KEY_A
-
     url = stack.start_api("api-2")
-    with openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0) as sdk:
-        yield sdk
+    with make_sdk(url, KEY_A) as client:
+        yield client
     stack.stop("api-2")
 
 
@@ -114,7 +114,7 @@ def test_a_queued_response_streams_heartbeats_until_it_ends(
     created = open_client.responses.create(model="synthetic", input="x", background=True)
     url = f"{queue_only.url}/v1/responses/{created.id}?stream=true"
     frames: list[str] = []
-    with httpx.stream("GET", url, timeout=30) as answer:
+    with httpx.Client(transport=ValidatingTransport(), timeout=30) as http, http.stream("GET", url) as answer:
         assert answer.headers["content-type"].startswith("text/event-stream")
         for line in answer.iter_lines():
             frames.append(line)

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
+from tests.conftest import make_sdk
 from tests.support.stack import free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.
     url = f"http://127.0.0.1:{port}"
     process = _up(tmp_path, port)
     wait_for(lambda: _listening(url, process), timeout=90, what="respool up to listen")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = make_sdk(url, "unused")
     request.addfinalizer(client.close)
     created = client.responses.create(model="synthetic", input="keep me", background=True)
     done = wait_for(lambda: (r := client.responses.retrieve(created.id)).status == "completed" and r)

@@ -126,3 +126,35 @@ def test_responses_are_valid_in_every_status(status: Status) -> None:
     parsed = Response.model_validate(response)
     assert parsed.status == status
     assert (parsed.completed_at is not None) == (status is Status.COMPLETED)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function", "name": "f"}]},
+        {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": None}]},
+        {"text": {"format": {"type": "json_schema", "name": "A", "schema": {"type": "object"}}}},
+        {
+            "text": {
+                "format": {"type": "json_schema", "name": "A", "schema": {}, "strict": None},
+                "verbosity": "low",
+            }
+        },
+        {"text": {"format": {"type": "json_object"}}},
+        {"text": {"verbosity": "high"}},
+    ],
+    ids=[
+        "bare function tool",
+        "tool with null strict",
+        "json_schema",
+        "json_schema null strict",
+        "json_object",
+        "verbosity only",
+    ],
+)
+def test_echoed_tools_and_formats_are_valid(extra: dict[str, Any]) -> None:
+    """Tools and text formats given with their optional fields left out are echoed valid for the schema and the SDK."""
+    response = build_response(parse_create_request({**BASE, **extra}), "resp_1", 1_700_000_000, Status.QUEUED)
+    validate_response(response)
+    Response.model_validate(response, strict=True)
+    assert [tool["name"] for tool in response["tools"]] == [tool["name"] for tool in extra.get("tools", [])]
