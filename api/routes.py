@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -11,7 +12,7 @@ from starlette.responses import Response
 
 from api.auth import owner
 from api.errors import committed_error_response
-from api.sse import sse_response
+from api.sse import sse_response, until_disconnected
 from worker.errors import InvalidRequestError
 from worker.service import ResponseService
 
@@ -39,14 +40,26 @@ async def create_response(request: Request, owner: Owner) -> Response:
     service = _service(request)
     created = await service.create(owner, await _json_body(request))
     response_id = created.response["id"]
+    is_foreground = not created.request.is_background
     if created.request.is_stream:
-        return sse_response(service.follow(response_id, -1, service.settings.sse_heartbeat_seconds))
-    if created.request.is_background:
+        events = service.follow(response_id, -1, service.settings.sse_heartbeat_seconds)
+        return sse_response(
+            events, on_disconnect=_abandon(service, owner, response_id) if is_foreground else None
+        )
+    if not is_foreground:
         return ORJSONResponse(created.response)
     try:
-        return ORJSONResponse(await service.wait(response_id))
+        final = await until_disconnected(request, service.wait(response_id))
     except Exception as exc:  # the job is committed: whatever failed, the client must not retry
         return committed_error_response(exc)
+    if final is None:  # the client went away: nobody is left to answer
+        await service.abandon(owner, response_id)
+        return Response(status_code=499)
+    return ORJSONResponse(final)
+
+
+def _abandon(service: ResponseService, owner: str, response_id: str) -> Callable[[], Awaitable[None]]:
+    return lambda: service.abandon(owner, response_id)
 
 
 @router.get("/responses/{response_id}")

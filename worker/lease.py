@@ -51,6 +51,7 @@ class Leases:
 
     def __init__(self, redis: Redis, ttl_seconds: float) -> None:
         self._redis = redis
+        self.ttl_seconds = ttl_seconds
         self._ttl_ms = int(ttl_seconds * 1000)
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)

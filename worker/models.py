@@ -69,6 +69,8 @@ class ResponseRow(Base):
         Index(None, "owner", "created_at"),
         # The sweep looks only at live rows (DESIGN.md §5).
         Index("ix_response_live", "status", postgresql_where=text(f"status IN ({LIVE_STATUSES})")),
+        # Retention deletes by completion time (DESIGN.md §2.7).
+        Index("ix_response_completed_at", "completed_at", postgresql_where=text("completed_at IS NOT NULL")),
     )
 
 

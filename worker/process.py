@@ -20,15 +20,16 @@ from typing import Any
 from redis import Redis as SyncRedis
 from rq.exceptions import StopRequested
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from worker.keys import cancel_key
-from worker.queue import response_queue
-from worker.runner import Runtime, close_runtime, open_runtime, run_response
+from worker.queue import job_statuses, requeue, response_queue
+from worker.recovery import sweep
+from worker.runner import RunEnd, Runtime, close_runtime, open_runtime, run_response
 from worker.settings import Settings
 
 log = logging.getLogger("respool.worker")
@@ -65,6 +66,7 @@ class ResponseWorker(BaseWorker):
         self._background = [
             self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
             self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),
+            self._submit(self._every(settings.maintenance_seconds, self._sweep)),
         ]
 
     # RQ's hooks ----------------------------------------------------------------------------
@@ -121,16 +123,33 @@ class ResponseWorker(BaseWorker):
 
     async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
         try:
-            await run_response(self._runtime, job.id)
+            end = await run_response(self._runtime, job.id)
         except BaseException:
             exc_info = sys.exc_info()
             log.exception("response %s: the job failed", job.id)
             await asyncio.to_thread(self._finalize_failure, job, queue, execution, exc_info)
         else:
-            await asyncio.to_thread(self._finalize_success, job, queue, execution, None)
+            await asyncio.to_thread(self._finalize, end, job, queue, execution)
         finally:
             self._running.pop(job.id, None)
             self._slots.release()
+
+    def _finalize(self, end: RunEnd, job: Job, queue: Queue, execution: Execution) -> None:
+        """Tell RQ how the run ended (DESIGN.md §4)."""
+        if end is RunEnd.FENCED:
+            # Another attempt runs the job now: drop only this execution, so it never expires into
+            # an "abandoned" job that RQ would retry under the live attempt; the job's status is theirs.
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                pipe.execute()
+        elif end is RunEnd.STOPPED:
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                requeue(queue, job, pipe)
+                pipe.execute()
+            log.info("response %s: requeued for another worker", job.id)
+        else:
+            self._finalize_success(job, queue, execution, None)
 
     async def _every(self, seconds: float, action: Any) -> None:
         while True:
@@ -141,21 +160,36 @@ class ResponseWorker(BaseWorker):
                 log.exception("periodic %s failed; retrying", action.__name__)
 
     async def _heartbeat(self) -> None:
-        """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4)."""
+        """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4).
+
+        A lease found lost (this worker was frozen past its TTL, and the response may run elsewhere
+        now) stops its attempt at once, and its RQ execution is no longer kept alive.
+        """
         leases = list(self._runtime.held.values())
         lost = await self._runtime.leases.renew(leases)
         for lease in lost:
-            log.warning("response %s: lease lost (attempt %d)", lease.response_id, lease.attempt)
-        await asyncio.to_thread(self._heartbeat_executions)
+            log.warning("response %s: lease lost (attempt %d); stopping it", lease.response_id, lease.attempt)
+            self._runtime.interrupt(lease.response_id, RunEnd.FENCED)
+        fenced = {lease.response_id for lease in lost} | set(self._runtime.interrupted)
+        await asyncio.to_thread(self._heartbeat_executions, fenced)
 
-    def _heartbeat_executions(self) -> None:
+    def _heartbeat_executions(self, fenced: set[str]) -> None:
         ttl = self._settings.registry_seconds
         with self.connection.pipeline() as pipe:
             self.heartbeat(pipeline=pipe)
             for running in list(self._running.values()):
+                if running.job.id in fenced:
+                    continue
                 running.execution.heartbeat(running.job.started_job_registry, ttl, pipeline=pipe)
                 running.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
             pipe.execute()
+
+    async def _sweep(self) -> None:
+        """End responses nobody runs any more, and drop stored ones past retention (worker/recovery.py)."""
+        await sweep(self._runtime, self._settings, self._queue_statuses)
+
+    def _queue_statuses(self, response_ids: list[str]) -> dict[str, JobStatus | None]:
+        return job_statuses(self.queues[0], response_ids)
 
     async def _watch_cancels(self) -> None:
         """Interrupt responses whose cancel flag is set, even while their upstream is silent."""
@@ -171,12 +205,19 @@ class ResponseWorker(BaseWorker):
                 self._runtime.request_cancel(response_id)
 
     def _drain(self, seconds: float) -> None:
+        """Let running responses finish for up to `seconds`, then stop the rest and requeue them
+        at the front of the queue, their leases released (DESIGN.md §4, "Graceful stop")."""
         futures = [running.future for running in list(self._running.values())]
         if futures:
             log.info("draining %d running responses (up to %.0f s)", len(futures), seconds)
             concurrent.futures.wait(futures, timeout=seconds)
-        for running in list(self._running.values()):
-            running.future.cancel()
+        left = list(self._running.values())
+        if not left:
+            return
+        log.info("stopping %d responses still running; they go back to the queue", len(left))
+        for running in left:
+            self._loop.call_soon_threadsafe(self._runtime.interrupt, running.job.id, RunEnd.STOPPED)
+        concurrent.futures.wait([running.future for running in left], timeout=10)
 
     def _submit(self, coroutine: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

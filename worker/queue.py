@@ -8,7 +8,8 @@ is synchronous.
 from __future__ import annotations
 
 from redis import Redis as SyncRedis
-from rq import Queue
+from redis.client import Pipeline
+from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -25,8 +26,12 @@ def response_queue(connection: SyncRedis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
-def enqueue_response(queue: Queue, response_id: str, first_events: list[Event]) -> None:
-    """Append the response's first events and enqueue its job, in one MULTI (DESIGN.md §2.1)."""
+def enqueue_response(queue: Queue, response_id: str, first_events: list[Event], max_attempts: int) -> None:
+    """Append the response's first events and enqueue its job, in one MULTI (DESIGN.md §2.1).
+
+    A job whose worker dies is retried by RQ's maintenance, up to `max_attempts` runs in all
+    (DESIGN.md §4, "Orphans"); the next attempt decides whether it may generate again.
+    """
     with queue.connection.pipeline() as pipe:
         pipe.multi()
         add_events(pipe, response_id, first_events)
@@ -37,6 +42,7 @@ def enqueue_response(queue: Queue, response_id: str, first_events: list[Event]) 
             timeout=JOB_TIMEOUT,
             result_ttl=RESULT_TTL,
             failure_ttl=RESULT_TTL,
+            retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
             description=f"response {response_id}",
             pipeline=pipe,
         )
@@ -61,3 +67,18 @@ def delete_job(queue: Queue, response_id: str) -> None:
         Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer).delete()
     except NoSuchJobError:  # already expired: nothing to delete
         return
+
+
+def job_statuses(queue: Queue, response_ids: list[str]) -> dict[str, JobStatus | None]:
+    """Each response's job status as RQ has it; None where RQ holds no job (expired, or lost)."""
+    jobs = Job.fetch_many(response_ids, connection=queue.connection, serializer=JSONSerializer)
+    return {
+        response_id: None if job is None else job.get_status(refresh=False)
+        for response_id, job in zip(response_ids, jobs, strict=True)
+    }
+
+
+def requeue(queue: Queue, job: Job, pipeline: Pipeline) -> None:
+    """Put a job a stopping worker did not finish back at the front of its queue (DESIGN.md §4)."""
+    job.set_status(JobStatus.QUEUED, pipeline=pipeline)
+    queue.enqueue_job(job, pipeline=pipeline, at_front=True)

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import httpx
@@ -33,7 +34,10 @@ log = logging.getLogger("respool.runner")
 
 # Events after which no output has reached a client yet: a new attempt may still generate.
 _BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_progress"})
-WORKER_LOST = "The worker running this response was lost after it had started streaming output."
+WORKER_LOST = (
+    "The worker running this response stopped after it had started streaming output; running it "
+    "again would repeat that output, so it was ended here. Retry the request."
+)
 
 
 class CancelRequested(Exception):
@@ -56,6 +60,15 @@ class UpstreamFailed(Exception):
 _UPSTREAM_FAULTS = (UpstreamError, native.NativeFailure, RespoolError)
 
 
+class RunEnd(StrEnum):
+    """How `run_response` ended, which decides what the worker tells RQ."""
+
+    FINISHED = "finished"  # the response has its terminal state (now, or from before)
+    FENCED = "fenced"  # another attempt holds it now: tell RQ nothing
+    BUSY = "busy"  # another live holder kept it past the wait
+    STOPPED = "stopped"  # this worker stopped it to shut down: requeue it
+
+
 @dataclass
 class Runtime:
     """A worker process's connections and state, shared by every response it runs."""
@@ -71,16 +84,29 @@ class Runtime:
     log: EventLog = field(init=False)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     held: dict[str, Lease] = field(default_factory=dict)
+    generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
     cancelling: set[str] = field(default_factory=set)
+    interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
 
     def __post_init__(self) -> None:
         self.log = EventLog(self.redis)
 
     def request_cancel(self, response_id: str) -> None:
-        """Interrupt the response's attempt (the cancel watcher saw its flag)."""
+        """Interrupt the response's upstream call (the cancel watcher saw its flag).
+
+        Outside the upstream call the flag is seen at the next append, or the final commit loses
+        to the cancel recorded in Postgres, so only a generating task is interrupted.
+        """
         task = self.running.get(response_id)
-        if task is not None and response_id not in self.cancelling:
+        if task is not None and response_id in self.generating and response_id not in self.cancelling:
             self.cancelling.add(response_id)
+            task.cancel()
+
+    def interrupt(self, response_id: str, end: RunEnd) -> None:
+        """Stop the response's attempt at once: its lease was lost (FENCED), or the worker stops (STOPPED)."""
+        task = self.running.get(response_id)
+        if task is not None and response_id not in self.interrupted:
+            self.interrupted[response_id] = end
             task.cancel()
 
 
@@ -113,18 +139,27 @@ def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
     return {"type": kind, "response": response}
 
 
-async def run_response(rt: Runtime, response_id: str) -> None:
-    """Run `response_id` to its end under a new lease; a no-op while another live holder has it."""
-    lease = await rt.leases.acquire(response_id, rt.holder)
+async def run_response(rt: Runtime, response_id: str) -> RunEnd:
+    """Run `response_id` to its end under a new lease (DESIGN.md §2, steps 2-3)."""
+    lease = await _acquire(rt, response_id)
     if lease is None:
-        log.warning("response %s is held by another live worker; not running it", response_id)
-        return
+        log.warning("response %s is held by another live holder; not running it", response_id)
+        return RunEnd.BUSY
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
     rt.held[response_id] = lease
     try:
         await _run_attempt(rt, lease)
+        return RunEnd.FINISHED
     except FencedOut:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
+        return RunEnd.FENCED
+    except asyncio.CancelledError:
+        end = rt.interrupted.get(response_id)
+        if end is None:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        log.warning("response %s: attempt %d %s", response_id, lease.attempt, end)
+        return end
     except Exception:
         await _fail_unexpectedly(rt, lease)
         raise
@@ -132,7 +167,19 @@ async def run_response(rt: Runtime, response_id: str) -> None:
         rt.running.pop(response_id, None)
         rt.held.pop(response_id, None)
         rt.cancelling.discard(response_id)
+        rt.interrupted.pop(response_id, None)
         await rt.leases.release(lease)
+
+
+async def _acquire(rt: Runtime, response_id: str) -> Lease | None:
+    """A new lease, waiting out a holder that is gone but whose lease has not expired yet (a dead
+    or frozen worker whose job RQ retried). None if a live holder keeps renewing it."""
+    deadline = time.monotonic() + rt.leases.ttl_seconds + 1
+    while (lease := await rt.leases.acquire(response_id, rt.holder)) is None:
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.5)
+    return lease
 
 
 async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
@@ -191,6 +238,7 @@ async def _produce(
     announced: bool,
 ) -> dict[str, Any] | None:
     """The final Response of this attempt, or None when it was cancelled."""
+    rt.generating.add(stored.id)
     try:
         if not announced:
             await writer.emit([{"type": "response.in_progress", "response": response}])
@@ -206,6 +254,8 @@ async def _produce(
         log.info("response %s failed: %s", stored.id, exc)
         streamed = exc.output if isinstance(exc, UpstreamFailed) else []
         return failed(response, f"The upstream model failed: {exc}", int(time.time()), output=streamed)
+    finally:
+        rt.generating.discard(stored.id)
     return finished(
         response,
         Status(outcome.status),
@@ -301,6 +351,30 @@ async def _ensure_terminal(
         return
     await writer.emit([terminal_event(response)], final=True)
     await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+
+
+async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
+    """End a live response nobody runs as `failed` with `message`, under a lease of our own.
+
+    False if a holder appeared, or it had already ended. The stream gets its terminal event either way.
+    """
+    lease = await rt.leases.acquire(response_id, f"{rt.holder}:sweep")
+    if lease is None:
+        return False
+    try:
+        async with rt.engine.begin() as conn:
+            stored = await store.get_response(conn, response_id)
+            if stored is None:
+                return False
+            won = stored.status not in TERMINAL and await store.mark_failed(
+                conn, response_id, failed(stored.response, message, int(time.time()))
+            )
+        last = await last_event(rt.redis, response_id)
+        writer = ResponseWriter(rt.log, lease, 0 if last is None else last.sequence_number + 1)
+        await _end_as_stored(rt, writer)
+        return bool(won)
+    finally:
+        await rt.leases.release(lease)
 
 
 async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:

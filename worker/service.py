@@ -124,7 +124,9 @@ class ResponseService:
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
-            await asyncio.to_thread(enqueue_response, self.queue, response["id"], first)
+            await asyncio.to_thread(
+                enqueue_response, self.queue, response["id"], first, self.settings.max_attempts
+            )
         except RedisError as exc:
             # Nothing reached the queue: fail the row, so a retry by the SDK duplicates no work.
             log.error("response %s: enqueue failed: %s", response["id"], exc)
@@ -192,13 +194,26 @@ class ResponseService:
         stored = await self._stored(owner, response_id)
         if not stored.background:
             raise InvalidRequestError("Cannot cancel a synchronous response.", param="response_id")
-        async with _database(), self.engine.begin() as conn:
-            cancelled = await store.mark_cancelled(conn, response_id, owner)
+        cancelled = await self._cancel_live(owner, response_id)
         if cancelled is None:  # already terminal, or it just finished
             stored = await self._stored(owner, response_id)
             if stored.status is Status.CANCELLED:
                 return stored.response
             raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
+        return cancelled
+
+    async def abandon(self, owner: str, response_id: str) -> None:
+        """The client of a foreground response went away: cancel it, so it stops costing GPU time
+        (DESIGN.md §2, `RESPOOL_CANCEL_ON_DISCONNECT`). A no-op once it has ended."""
+        if self.settings.cancel_on_disconnect:
+            await self._cancel_live(owner, response_id)
+
+    async def _cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """Record the cancel (it wins atomically, PROTOCOL.md §7), then reach whoever holds the response."""
+        async with _database(), self.engine.begin() as conn:
+            cancelled = await store.mark_cancelled(conn, response_id, owner)
+        if cancelled is None:
+            return None
         await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
         if await asyncio.to_thread(remove_queued, self.queue, response_id):
             await self._end_stream(response_id, cancelled)

@@ -36,23 +36,42 @@ class Settings(BaseSettings):
     concurrency: int = 256
     queue: str = "respool"
 
-    # Timing (DESIGN.md §4: heartbeat < lease TTL < RQ registry TTL).
+    # Timing (DESIGN.md §4: heartbeat < lease TTL < RQ registry TTL). A worker killed outright is
+    # noticed when its RQ executions expire (registry_seconds after its last heartbeat) by the next
+    # maintenance (every maintenance_seconds): its responses are recovered within about 10 s.
     heartbeat_seconds: float = 2.0
-    lease_seconds: float = 8.0
-    registry_seconds: int = 12
-    maintenance_seconds: int = 5
+    lease_seconds: float = 6.0
+    registry_seconds: int = 8
+    maintenance_seconds: int = 2
     cancel_poll_seconds: float = 0.25
     drain_seconds: float = 30.0
-    upstream_timeout_seconds: float = 600.0
+    # Runs of one response before it is given up (a worker dying under it each time).
+    max_attempts: int = 3
+    # A foreground request whose client goes away is cancelled (DESIGN.md §2).
+    cancel_on_disconnect: bool = True
+
+    # The upstream call (worker/upstream.py). Faults before any output are retried with backoff and
+    # jitter; a tiny backoff (e.g. 0.01) makes them fast in tests. A stall is silence between bytes.
+    upstream_retries: int = Field(default=3, ge=0)
+    upstream_backoff_seconds: float = Field(default=0.5, ge=0)
+    upstream_backoff_max_seconds: float = Field(default=8.0, ge=0)
+    upstream_stall_seconds: float = Field(default=300.0, gt=0)
+    upstream_connect_seconds: float = Field(default=10.0, gt=0)
 
     # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
     sse_heartbeat_seconds: float = 15.0
 
     # Retention (DESIGN.md §2.7).
     stream_ttl_seconds: int = 3600
+    retention_days: float = 30.0
 
     # The synthetic model's pace, seconds between words.
     synthetic_delay_seconds: float = 0.0
+
+    @property
+    def upstream_timeout_seconds(self) -> float:
+        """The old name of `upstream_stall_seconds`, kept until worker/runner.py passes the new one."""
+        return self.upstream_stall_seconds
 
     @property
     def has_servers(self) -> bool:

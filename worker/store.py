@@ -187,3 +187,28 @@ async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int)
         )
     )
     return result.rowcount == 1
+
+
+async def live_response_ids(conn: AsyncConnection, older_than_seconds: float, limit: int) -> list[str]:
+    """Ids of queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view)."""
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
+    query = (
+        select(ResponseRow.id)
+        .where(ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff)
+        .order_by(ResponseRow.created_at)
+        .limit(limit)
+    )
+    return list((await conn.execute(query)).scalars())
+
+
+async def delete_expired(conn: AsyncConnection, retention_days: float, limit: int) -> int:
+    """Delete up to `limit` finished rows completed more than `retention_days` ago (DESIGN.md §2.7)."""
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, retention_days * 86400)
+    expired = (
+        select(ResponseRow.id)
+        .where(ResponseRow.completed_at < cutoff, ResponseRow.status.not_in(LIVE))
+        .limit(limit)
+        .scalar_subquery()
+    )
+    result = await conn.execute(delete(ResponseRow).where(ResponseRow.id.in_(expired)))
+    return int(result.rowcount)
