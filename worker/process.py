@@ -27,7 +27,7 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from worker.keys import cancel_key
-from worker.queue import job_statuses, requeue, response_queue
+from worker.queue import job_statuses, response_queue
 from worker.recovery import sweep
 from worker.runner import RunEnd, Runtime, close_runtime, open_runtime, run_response
 from worker.settings import Settings
@@ -103,6 +103,11 @@ class ResponseWorker(BaseWorker):
         self._running[job.id] = _Running(job, queue, execution, future)
         self.set_state(WorkerStatus.IDLE)
 
+    def _install_signal_handlers(self) -> None:
+        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        # From here on SIGTERM drains instead of killing: say so (tests and operators wait for it).
+        log.info("worker %s ready: taking responses (SIGTERM drains)", self.name)
+
     def teardown(self) -> None:
         """Let running responses finish (up to the drain deadline), then close the loop."""
         self._drain(self._settings.drain_seconds)
@@ -129,7 +134,10 @@ class ResponseWorker(BaseWorker):
             log.exception("response %s: the job failed", job.id)
             await asyncio.to_thread(self._finalize_failure, job, queue, execution, exc_info)
         else:
-            await asyncio.to_thread(self._finalize, end, job, queue, execution)
+            try:
+                await asyncio.to_thread(self._finalize, end, job, queue, execution)
+            except Exception:
+                log.exception("response %s: recording how its run ended (%s) with RQ failed", job.id, end)
         finally:
             self._running.pop(job.id, None)
             self._slots.release()
@@ -143,9 +151,11 @@ class ResponseWorker(BaseWorker):
                 self.cleanup_execution(job, pipeline=pipe, execution=execution)
                 pipe.execute()
         elif end is RunEnd.STOPPED:
+            # Queued first: should this process die in between, the execution left behind expires
+            # onto a job that is QUEUED, which RQ's maintenance leaves alone.
+            queue.enqueue_job(job, at_front=True)
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job, pipeline=pipe, execution=execution)
-                requeue(queue, job, pipe)
                 pipe.execute()
             log.info("response %s: requeued for another worker", job.id)
         else:

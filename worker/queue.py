@@ -8,7 +8,6 @@ is synchronous.
 from __future__ import annotations
 
 from redis import Redis as SyncRedis
-from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -76,9 +75,3 @@ def job_statuses(queue: Queue, response_ids: list[str]) -> dict[str, JobStatus |
         response_id: None if job is None else job.get_status(refresh=False)
         for response_id, job in zip(response_ids, jobs, strict=True)
     }
-
-
-def requeue(queue: Queue, job: Job, pipeline: Pipeline) -> None:
-    """Put a job a stopping worker did not finish back at the front of its queue (DESIGN.md §4)."""
-    job.set_status(JobStatus.QUEUED, pipeline=pipeline)
-    queue.enqueue_job(job, pipeline=pipeline, at_front=True)

@@ -26,14 +26,16 @@ from worker.settings import Settings
 log = logging.getLogger("respool.recovery")
 
 BATCH = 500
-_LOCK = f"{PREFIX}:sweep"
 # Job states in which RQ will still run, or is running, the job.
 _HELD = frozenset(
     {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED, JobStatus.CREATED}
 )
 
 LOST_JOB = "respool lost this response's job (its queue data was lost) before it finished. Retry the request."
-GIVEN_UP = "The workers running this response stopped {attempts} times before it finished; it was given up."
+GIVEN_UP = (
+    "The worker running this response stopped before it finished, {attempts} time(s) in all; "
+    "respool gave it up. Retry the request."
+)
 
 JobStatuses = Callable[[list[str]], dict[str, JobStatus | None]]
 
@@ -41,7 +43,8 @@ JobStatuses = Callable[[list[str]], dict[str, JobStatus | None]]
 async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> int:
     """One sweep, if no other process is sweeping; the number of responses it ended."""
     lock_ms = int(settings.maintenance_seconds * 1000)
-    if not await rt.redis.set(_LOCK, rt.holder, nx=True, px=lock_ms):
+    # One lock per queue: deployments sharing a Redis each sweep their own responses.
+    if not await rt.redis.set(f"{PREFIX}:sweep:{settings.queue}", rt.holder, nx=True, px=lock_ms):
         return 0
     ended = await end_orphans(rt, settings, job_statuses)
     async with rt.engine.begin() as conn:
@@ -55,7 +58,7 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
     """End every orphaned live response (see the module docstring); the number ended."""
     grace = max(10.0, 2.0 * settings.registry_seconds)
     async with rt.engine.connect() as conn:
-        candidates = await store.live_response_ids(conn, grace, BATCH)
+        candidates = await store.live_responses(conn, grace, BATCH)
     if not candidates:
         return 0
     async with rt.redis.pipeline(transaction=False) as pipe:
@@ -71,7 +74,7 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
         status = statuses.get(response_id)
         if status in _HELD:
             continue
-        message = LOST_JOB if status is None else GIVEN_UP.format(attempts=settings.max_attempts)
+        message = LOST_JOB if status is None else GIVEN_UP.format(attempts=candidates[response_id])
         if await end_response(rt, response_id, message):
             log.warning("response %s: ended failed, its job being %s", response_id, status or "lost")
             ended += 1

@@ -15,9 +15,19 @@ from worker.models import InputItemRow, ResponseRow
 from worker.response import LIVE, Status
 
 
-def create_engine(database_url: str, pool_size: int = 10) -> AsyncEngine:
-    """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver)."""
-    return create_async_engine(async_url(database_url), pool_size=pool_size, max_overflow=pool_size)
+def create_engine(database_url: str, pool_size: int = 10, connect_timeout_seconds: int = 5) -> AsyncEngine:
+    """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver).
+
+    A checkout tests its connection first, so the connections a Postgres restart broke are replaced
+    instead of failing whatever used them next; a connect gives up after `connect_timeout_seconds`.
+    """
+    return create_async_engine(
+        async_url(database_url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": connect_timeout_seconds},
+    )
 
 
 def async_url(database_url: str) -> str:
@@ -128,14 +138,17 @@ async def mark_failed(conn: AsyncConnection, response_id: str, response: dict[st
 
 
 async def mark_cancelled(conn: AsyncConnection, response_id: str, owner: str) -> dict[str, Any] | None:
-    """Cancel a live background row (cancel wins, PROTOCOL.md §7); the cancelled Response, or None."""
+    """Cancel a live row (cancel wins, PROTOCOL.md §7); the cancelled Response, or None.
+
+    Which responses a client may cancel (background ones) is the service's rule; a foreground one
+    is cancelled when its client goes away.
+    """
     cancelled = ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.CANCELLED)))
     result = await conn.execute(
         update(ResponseRow)
         .where(
             ResponseRow.id == response_id,
             ResponseRow.owner == owner,
-            ResponseRow.background.is_(True),
             ResponseRow.status.in_(LIVE),
         )
         .values(status=Status.CANCELLED, response=cancelled, completed_at=func.now())
@@ -189,16 +202,16 @@ async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int)
     return result.rowcount == 1
 
 
-async def live_response_ids(conn: AsyncConnection, older_than_seconds: float, limit: int) -> list[str]:
-    """Ids of queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view)."""
+async def live_responses(conn: AsyncConnection, older_than_seconds: float, limit: int) -> dict[str, int]:
+    """Queued or in-progress rows created more than `older_than_seconds` ago: id => attempts started."""
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
     query = (
-        select(ResponseRow.id)
+        select(ResponseRow.id, ResponseRow.attempt)
         .where(ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff)
         .order_by(ResponseRow.created_at)
         .limit(limit)
     )
-    return list((await conn.execute(query)).scalars())
+    return {row.id: row.attempt for row in await conn.execute(query)}
 
 
 async def delete_expired(conn: AsyncConnection, retention_days: float, limit: int) -> int:
