@@ -28,7 +28,7 @@ from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
 from worker.translation import chat_request, chat_stream, native, output
-from worker.upstream import UpstreamError, create_client, stream_json
+from worker.upstream import RetryPolicy, UpstreamError, create_client, stream_json
 
 log = logging.getLogger("respool.runner")
 
@@ -81,6 +81,7 @@ class Runtime:
     stream_ttl_seconds: int
     synthetic_delay_seconds: float
     leases: Leases
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
     log: EventLog = field(init=False)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     held: dict[str, Lease] = field(default_factory=dict)
@@ -287,7 +288,7 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
 def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     if route.api is UpstreamApi.SYNTHETIC:
         return synthetic_chunks(body, rt.synthetic_delay_seconds)
-    return stream_json(rt.http, route, "/chat/completions", body)
+    return stream_json(rt.http, route, "/chat/completions", body, rt.retry)
 
 
 async def _generate_native(
@@ -298,7 +299,7 @@ async def _generate_native(
     )
     state = native.NativeStream()
     try:
-        async for upstream_event in stream_json(rt.http, route, "/responses", body):
+        async for upstream_event in stream_json(rt.http, route, "/responses", body, rt.retry):
             await _emit(writer, native.translate_event(state, upstream_event))
         events, outcome = native.finish_stream(state)
     except _UPSTREAM_FAULTS as exc:
@@ -383,7 +384,10 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     return Runtime(
         engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
         redis=redis,
-        http=create_client(settings.upstream_timeout_seconds, concurrency),
+        http=create_client(
+            settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds
+        ),
+        retry=RetryPolicy.from_settings(settings),
         routes=load_routes(settings),
         holder=holder,
         stream_ttl_seconds=settings.stream_ttl_seconds,

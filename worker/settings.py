@@ -30,6 +30,11 @@ class Settings(BaseSettings):
     api_keys: SecretStr | None = Field(
         default=None, description='"key1:tenant-a,key2:tenant-b"; unset means no auth'
     )
+    # Outages (issue 4): how long the API gives an unreachable Redis or Postgres before it answers
+    # 503, and the `retry-after` it sends with it (the SDK honours up to 120 s, PROTOCOL.md §5.5).
+    redis_timeout_seconds: float = Field(default=5.0, gt=0)
+    database_connect_timeout_seconds: int = Field(default=5, ge=1)
+    retry_after_seconds: int = Field(default=2, ge=1, le=120)
 
     # Worker.
     workers: int = 1
@@ -67,11 +72,6 @@ class Settings(BaseSettings):
 
     # The synthetic model's pace, seconds between words.
     synthetic_delay_seconds: float = 0.0
-
-    @property
-    def upstream_timeout_seconds(self) -> float:
-        """The old name of `upstream_stall_seconds`, kept until worker/runner.py passes the new one."""
-        return self.upstream_stall_seconds
 
     @property
     def has_servers(self) -> bool:
