@@ -1,18 +1,49 @@
 """Talking to upstream model servers over HTTP: Chat Completions and Responses, always streamed.
 
-Errors are mapped once, here, into `UpstreamError` (the httpx habit of mapping foreign exceptions at
-the boundary).
+Owns the upstream call: the pooled client and its timeouts, the retry policy, and the one mapping of
+httpx's exceptions and of HTTP error answers into `UpstreamError` (the httpx habit of mapping
+foreign exceptions once, at the boundary). The tree:
+
+    UpstreamError               final: the response ends `failed` with its message
+    └── TransientUpstreamError  worth another attempt, if no payload was yielded yet
+
+Rules:
+- a connection error, a timeout (a stall included), HTTP 408, 429 or 5xx => `TransientUpstreamError`
+- any other HTTP 4xx, a line that is not a JSON object, an in-band `error` payload => `UpstreamError`
+- transient before the first payload => retried under the `RetryPolicy`: the upstream's
+  `retry-after-ms` / `retry-after` if it sent one, else exponential backoff with equal jitter; both
+  bounded by the cap. A stall before any output is retried too: nothing reached a client yet.
+- anything after the first payload => raised at once: that output already reached clients
+- retries run out => the last cause, saying how many attempts were made
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import math
+import random
+from asyncio import sleep
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 import orjson
 
 from worker.routing import Route
+from worker.settings import Settings
+
+log = logging.getLogger("respool.upstream")
+
+type Payload = dict[str, Any]
+
+CONNECT_SECONDS = 10.0
+# httpx faults that say nothing about the request itself: another attempt may well succeed.
+# (LocalProtocolError, UnsupportedProtocol, ProxyError, DecodingError, TooManyRedirects: it won't.)
+_TRANSIENT_FAULTS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class UpstreamError(Exception):
@@ -24,35 +55,204 @@ class UpstreamError(Exception):
         self.status = status
 
 
-def create_client(timeout_seconds: float, max_connections: int) -> httpx.AsyncClient:
-    """One pooled client per worker process."""
+class TransientUpstreamError(UpstreamError):
+    """A fault another attempt may not meet; `retry_after` is the upstream's wait hint in seconds."""
+
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+    def gave_up(self, attempts: int) -> UpstreamError:
+        """The final error once `attempts` attempts all failed, this one last."""
+        return UpstreamError(f"{self.message}; gave up after {attempts} attempts", self.status)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often, and how far apart, a request that failed before any output is tried again."""
+
+    retries: int = 3
+    backoff_seconds: float = 0.5
+    backoff_max_seconds: float = 8.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetryPolicy:
+        return cls(
+            retries=settings.upstream_retries,
+            backoff_seconds=settings.upstream_backoff_seconds,
+            backoff_max_seconds=settings.upstream_backoff_max_seconds,
+        )
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+    def delay(self, retry: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry number `retry` (from 1), never over `backoff_max_seconds`.
+
+        The upstream's own hint wins; otherwise the exponential step with equal jitter (half fixed,
+        half random), so retries that failed together do not all come back together.
+        """
+        if retry_after is not None:
+            return min(retry_after, self.backoff_max_seconds)
+        step = min(self.backoff_max_seconds, self.backoff_seconds * 2.0 ** min(retry - 1, 64))
+        return step / 2 + random.uniform(0, step / 2)
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+def create_client(
+    stall_seconds: float,
+    max_connections: int,
+    *,
+    connect_seconds: float = CONNECT_SECONDS,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.AsyncClient:
+    """One pooled client per worker process.
+
+    `stall_seconds` is httpx's read timeout: the longest silence allowed between bytes, so a stalled
+    upstream frees its slot instead of holding it forever. `transport` is the seam tests fake.
+    """
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds, connect=10.0), limits=limits)
+    timeout = httpx.Timeout(stall_seconds, connect=connect_seconds)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
 
 
 async def stream_json(
-    client: httpx.AsyncClient, route: Route, path: str, body: dict[str, Any]
-) -> AsyncIterator[dict[str, Any]]:
-    """POST `body` to `route.base_url + path` and yield each SSE `data:` payload as JSON."""
+    client: httpx.AsyncClient,
+    route: Route,
+    path: str,
+    body: dict[str, Any],
+    policy: RetryPolicy = DEFAULT_RETRY,
+) -> AsyncIterator[Payload]:
+    """POST `body` to `route.base_url + path` and yield each SSE `data:` payload as JSON.
+
+    Transient faults before the first payload are retried under `policy`; after it, every fault is
+    final. Raises `UpstreamError` only (cancellation aside, which always propagates at once).
+    """
+    payloads, first = await _first_payload(client, _build_request(client, route, path, body), policy)
+    if first is None:
+        return
+    async with aclosing(payloads):
+        yield first
+        async for payload in payloads:
+            yield payload
+
+
+def _build_request(client: httpx.AsyncClient, route: Route, path: str, body: dict[str, Any]) -> httpx.Request:
     headers = {"accept": "text/event-stream"}
     key = route.api_key()
     if key:
         headers["authorization"] = f"Bearer {key}"
+    # Bytes content, so the same request can be sent again on a retry.
+    return client.build_request("POST", route.base_url + path, content=orjson.dumps(body), headers=headers)
+
+
+async def _first_payload(
+    client: httpx.AsyncClient, request: httpx.Request, policy: RetryPolicy
+) -> tuple[AsyncGenerator[Payload], Payload | None]:
+    """An attempt's payload stream and its first payload (None: it ended empty), retried under `policy`."""
+    attempt = 1
+    while True:
+        payloads = _attempt(client, request)
+        try:
+            return payloads, await anext(payloads, None)
+        except TransientUpstreamError as exc:
+            if policy.retries == 0:
+                raise  # no retries: the cause as it came
+            if attempt >= policy.attempts:
+                raise exc.gave_up(attempt) from exc
+            delay = policy.delay(attempt, exc.retry_after)
+            log.info("%s: attempt %d failed (%s); retrying in %.2f s", request.url, attempt, exc, delay)
+            await sleep(delay)
+            attempt += 1
+
+
+async def _attempt(client: httpx.AsyncClient, request: httpx.Request) -> AsyncGenerator[Payload]:
+    """One POST: yield its payloads, with every fault mapped to `UpstreamError`."""
     try:
-        async with client.stream(
-            "POST", route.base_url + path, content=orjson.dumps(body), headers=headers
-        ) as reply:
+        reply = await client.send(request, stream=True)
+        try:
             if reply.status_code >= 400:
-                raise UpstreamError(await _error_message(reply), reply.status_code)
+                raise await _status_error(reply)
             async for line in reply.aiter_lines():
                 payload = _data(line)
                 if payload is not None:
                     yield payload
+        finally:
+            await reply.aclose()
     except httpx.HTTPError as exc:
-        raise UpstreamError(f"the upstream at {route.base_url} failed: {exc!r}") from exc
+        raise _map_httpx_error(exc, request, client.timeout) from exc
 
 
-def _data(line: str) -> dict[str, Any] | None:
+def _map_httpx_error(exc: httpx.HTTPError, request: httpx.Request, timeout: httpx.Timeout) -> UpstreamError:
+    """The one mapping of httpx's exceptions: transport faults are transient, the rest final."""
+    where = f"the upstream at {request.url}"
+    if isinstance(exc, httpx.ReadTimeout):
+        return TransientUpstreamError(f"the upstream sent nothing for {_seconds(timeout.read)}")
+    if isinstance(exc, httpx.ConnectTimeout):
+        return TransientUpstreamError(f"could not connect to {where} within {_seconds(timeout.connect)}")
+    if isinstance(exc, httpx.ConnectError):
+        return TransientUpstreamError(f"could not connect to {where}: {_describe(exc)}")
+    if isinstance(exc, _TRANSIENT_FAULTS):
+        return TransientUpstreamError(f"{where} failed: {_describe(exc)}")
+    return UpstreamError(f"{where} failed: {_describe(exc)}")
+
+
+def _seconds(value: float | None) -> str:
+    return "ever" if value is None else f"{value:g} s"
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _is_transient_status(status: int) -> bool:
+    """Whether an HTTP error status says "try again" (408 timeout, 429 rate limit, 5xx) rather than "no"."""
+    return status in (408, 429) or status >= 500
+
+
+async def _status_error(reply: httpx.Response) -> UpstreamError:
+    message = await _error_message(reply)
+    if _is_transient_status(reply.status_code):
+        return TransientUpstreamError(message, reply.status_code, _retry_after(reply.headers))
+    return UpstreamError(message, reply.status_code)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """The upstream's wait hint in seconds: `retry-after-ms`, else `retry-after` (seconds or an HTTP date)."""
+    milliseconds = _number(headers.get("retry-after-ms"))
+    if milliseconds is not None:
+        return max(0.0, milliseconds / 1000)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is None:
+        seconds = _seconds_until(value)
+    return None if seconds is None else max(0.0, seconds)
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        number = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _seconds_until(http_date: str) -> float | None:
+    try:
+        when = parsedate_to_datetime(http_date)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)  # RFC 9110 dates are GMT
+    return (when - datetime.now(UTC)).total_seconds()
+
+
+def _data(line: str) -> Payload | None:
     if not line.startswith("data:"):
         return None
     text = line[5:].strip()

@@ -19,7 +19,9 @@ A script is a JSON object; every key is optional:
     chunks: [...]              chat only: raw chunks sent as given, or {"delta", "finish_reason"}
                                and {"usage"} shorthands; then `data: [DONE]`
     events: [...]              responses only: raw Responses events sent as given
-    status, error, headers     answer this HTTP error with an OpenAI-shaped error body
+    status, error, headers     answer this HTTP error with an OpenAI-shaped error body, e.g.
+                               {"status": 429, "headers": {"retry-after": "1"}}
+    reset: true                answer nothing: cut the TCP connection with a reset (RST)
     times, then                only the first `times` requests follow this script, later ones `then`
     hang: true                 send the response headers, then nothing until the client goes away
     drop_after: K              cut the connection after K SSE frames, without a final chunk
@@ -36,11 +38,12 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import uvicorn
 from starlette.applications import Starlette
@@ -77,6 +80,8 @@ class UpstreamState:
     total: int = 0
     active_changed: asyncio.Event = field(default_factory=asyncio.Event)
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    # uvicorn's open connections (its ServerState's set), so a script can cut one: no ASGI message can.
+    connections: set[Any] = field(default_factory=set)
 
     def reset(self) -> None:
         """Forget scripts, records and counts; streams still open stay counted until they close."""
@@ -118,6 +123,13 @@ class UpstreamState:
         """Return once exactly `count` streams are open."""
         while self.active != count:
             await self.active_changed.wait()
+
+    def transport_of(self, client: object) -> asyncio.Transport:
+        """The TCP transport of the connection whose peer is `client` (the ASGI scope's (host, port))."""
+        for connection in self.connections:
+            if connection.client == client:
+                return cast(asyncio.Transport, connection.transport)
+        raise LookupError(f"no open connection from {client}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,24 @@ class PacedStream(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class ResetConnection(Response):
+    """Answers nothing: cuts the request's TCP connection with a reset, as a crashed server would."""
+
+    def __init__(self, state: UpstreamState) -> None:
+        self.state, self.background = state, None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = self.state.transport_of(scope.get("client"))
+        # Linger 0: closing sends RST rather than FIN, so the client sees a reset, not a clean close.
+        transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )
+        transport.abort()
+        # Returning before uvicorn notices the disconnect would make it answer 500 instead.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
 def error_response(script: Json) -> JSONResponse:
     status = int(script["status"])
     default = {"message": f"scripted upstream error {status}", "param": None, "code": None}
@@ -202,6 +232,8 @@ async def answer(request: Request, script: Json, body: Json, frames: list[bytes]
     state = upstream_state(request)
     pacing = Pacing.of(script)
     is_stream = bool(body.get("stream"))
+    if script.get("reset"):
+        return ResetConnection(state)
     if "status" in script:
         return error_response(script)
     if is_stream or pacing.is_hang:
@@ -303,6 +335,7 @@ class UpstreamServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: UpstreamState) -> None:
         super().__init__(config)
         self.state = state
+        state.connections = self.server_state.connections
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.state.closing.set()

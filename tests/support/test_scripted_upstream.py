@@ -200,6 +200,21 @@ def test_a_dropped_stream_fails_the_client_mid_stream(
         next(chunks)
 
 
+def test_a_reset_script_answers_nothing_then_follows_then(
+    upstream: ScriptedUpstream, client: openai.OpenAI
+) -> None:
+    """reset cuts the connection without any HTTP answer; with times=1 the next request is answered."""
+    upstream.script("m", {"reset": True, "times": 1, "then": {"text": "back again"}})
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "go"}]
+
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="m", messages=messages)
+    completion = client.chat.completions.create(model="m", messages=messages)
+
+    assert completion.choices[0].message.content == "back again"
+    assert len(upstream.requests("m")) == 2
+
+
 async def test_hundreds_of_hung_streams_are_held_open_at_once(upstream: ScriptedUpstream) -> None:
     """Hung streams all count as active while open and stop counting when their clients leave."""
     upstream.reset()

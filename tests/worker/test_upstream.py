@@ -1,0 +1,401 @@
+"""The upstream call's faults at the transport seam: what is retried, how far apart, and what is final.
+
+An `httpx.MockTransport` plays the upstream; the module's `sleep` is faked, since time is the one
+thing these tests fake, and records every backoff the retry loop asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from worker import upstream
+from worker.routing import Route, UpstreamApi
+from worker.settings import Settings
+from worker.upstream import RetryPolicy, UpstreamError, create_client, stream_json
+
+ROUTE = Route("m", UpstreamApi.CHAT, "http://upstream.test/v1")
+PAYLOADS = [{"n": 1}, {"n": 2}]
+POLICY = RetryPolicy(retries=3, backoff_seconds=0.5, backoff_max_seconds=8.0)
+
+# What the upstream does on one request: answer, or fail the way a network or server can.
+type Answer = httpx.Response | Exception
+
+# Faults that leave nothing behind but the wish to try again, and the ones that will not go away.
+TRANSIENT = (
+    httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.ReadTimeout, httpx.WriteError,
+    httpx.WriteTimeout, httpx.PoolTimeout, httpx.CloseError, httpx.RemoteProtocolError,
+)  # fmt: skip
+FINAL = (
+    httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.ProxyError, httpx.DecodingError,
+    httpx.TooManyRedirects, httpx.HTTPStatusError,
+)  # fmt: skip
+# The abstract ones, never raised as such.
+BASES = (
+    httpx.HTTPError, httpx.RequestError, httpx.TransportError, httpx.TimeoutException,
+    httpx.NetworkError, httpx.ProtocolError,
+)  # fmt: skip
+
+
+def sse(*payloads: object) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(payload) + b"\n\n" for payload in payloads) + b"data: [DONE]\n\n"
+
+
+def ok(*payloads: object) -> httpx.Response:
+    return httpx.Response(
+        200, content=sse(*(payloads or PAYLOADS)), headers={"content-type": "text/event-stream"}
+    )
+
+
+def refusal(status: int, message: str = "go away", headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "x"}}, headers=headers)
+
+
+class CutStream(httpx.AsyncByteStream):
+    """A body that sends `body`, then fails with `fault`: a connection lost mid-stream."""
+
+    def __init__(self, body: bytes, fault: Exception) -> None:
+        self.body, self.fault = body, fault
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.body
+        raise self.fault
+
+
+class Upstream:
+    """Answers requests from a list, the last answer repeating; counts what it was sent."""
+
+    def __init__(self, *answers: Answer) -> None:
+        self.answers = list(answers)
+        self.requests: list[httpx.Request] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.answers[min(len(self.requests), len(self.answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+@pytest.fixture
+def delays(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every backoff the retry loop asked for, in seconds, with no time passing."""
+    asked: list[float] = []
+
+    async def record(seconds: float) -> None:
+        asked.append(seconds)
+
+    monkeypatch.setattr(upstream, "sleep", record)
+    return asked
+
+
+def client_for(fake: Upstream, stall_seconds: float = 300.0) -> httpx.AsyncClient:
+    return create_client(stall_seconds, 4, transport=httpx.MockTransport(fake))
+
+
+async def collect(fake: Upstream, policy: RetryPolicy = POLICY, stall_seconds: float = 300.0) -> list[Any]:
+    async with client_for(fake, stall_seconds) as client:
+        return [payload async for payload in stream_json(client, ROUTE, "/chat/completions", {}, policy)]
+
+
+async def fail(fake: Upstream, policy: RetryPolicy = POLICY, stall_seconds: float = 300.0) -> UpstreamError:
+    with pytest.raises(UpstreamError) as failure:
+        await collect(fake, policy, stall_seconds)
+    return failure.value
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        refusal(429, "slow down"),
+        refusal(500, "oops"),
+        refusal(502, "bad gateway"),
+        refusal(503, "overloaded"),
+        refusal(408, "timeout"),
+        httpx.ConnectError("refused"),
+        httpx.ConnectTimeout("no answer"),
+        httpx.ReadError("reset by peer"),
+        httpx.RemoteProtocolError("disconnected without a response"),
+        httpx.ReadTimeout("stalled"),
+    ],
+    ids=repr,
+)
+async def test_a_transient_fault_before_output_is_retried(delays: list[float], fault: Answer) -> None:
+    """429, 408, 5xx, connection errors and stalls before any payload are retried, and the payloads arrive once."""
+    fake = Upstream(fault, ok())
+    assert await collect(fake) == PAYLOADS
+    assert len(fake.requests) == 2
+    assert len(delays) == 1
+
+
+async def test_several_faults_in_a_row_are_retried_until_one_answers(delays: list[float]) -> None:
+    """Faults of different kinds, one after another, are each retried until the upstream answers."""
+    fake = Upstream(refusal(429), httpx.ConnectError("refused"), refusal(503), ok())
+    assert await collect(fake) == PAYLOADS
+    assert len(fake.requests) == 4
+    assert len(delays) == 3
+
+
+async def test_a_retry_sends_the_same_request_again(delays: list[float]) -> None:
+    """Every attempt carries the same body and headers as the first."""
+    fake = Upstream(refusal(503), ok())
+    async with client_for(fake) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        assert [p async for p in stream_json(client, ROUTE, "/chat/completions", body)] == PAYLOADS
+    first, second = fake.requests
+    assert (second.url, second.headers, second.content) == (first.url, first.headers, first.content)
+    assert orjson.loads(second.content) == body
+
+
+def http_date(offset: timedelta) -> str:
+    return format_datetime(datetime.now(UTC) + offset, usegmt=True)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"retry-after": "2"}, 2.0),
+        ({"retry-after": "0.25"}, 0.25),
+        ({"retry-after-ms": "1500"}, 1.5),
+        ({"retry-after-ms": "1500", "retry-after": "3"}, 1.5),
+        ({"retry-after": "0"}, 0.0),
+        ({"retry-after": "30"}, 8.0),
+        ({"retry-after": http_date(timedelta(hours=1))}, 8.0),
+        ({"retry-after": http_date(timedelta(hours=-1))}, 0.0),
+    ],
+)
+async def test_retry_after_is_honoured_up_to_the_cap(
+    delays: list[float], headers: dict[str, str], expected: float
+) -> None:
+    """The upstream's retry-after-ms or retry-after (seconds or HTTP date) sets the wait, bounded by the cap."""
+    fake = Upstream(refusal(429, headers=headers), ok())
+    assert await collect(fake) == PAYLOADS
+    assert delays == [expected]
+
+
+@pytest.mark.parametrize("value", ["soon", "", "nan", "-inf"])
+async def test_an_unreadable_retry_after_falls_back_to_backoff(delays: list[float], value: str) -> None:
+    """A retry-after that is neither seconds nor a date is ignored: the first backoff step applies."""
+    fake = Upstream(refusal(503, headers={"retry-after": value}), ok())
+    assert await collect(fake) == PAYLOADS
+    assert len(delays) == 1
+    assert 0.25 <= delays[0] <= 0.5
+
+
+@pytest.mark.parametrize(
+    ("retry", "low", "high"),
+    [
+        (1, 0.25, 0.5),
+        (2, 0.5, 1.0),
+        (3, 1.0, 2.0),
+        (4, 2.0, 4.0),
+        (5, 4.0, 8.0),
+        (6, 4.0, 8.0),
+        (500, 4.0, 8.0),
+    ],
+)
+def test_backoff_doubles_with_equal_jitter_up_to_the_cap(retry: int, low: float, high: float) -> None:
+    """Retry n waits between half and all of min(cap, base * 2^(n-1)), and not the same every time."""
+    waits = [POLICY.delay(retry) for _ in range(200)]
+    assert all(low <= wait <= high for wait in waits)
+    assert len(set(waits)) > 1
+
+
+async def test_backoff_between_attempts_grows_and_stays_bounded(delays: list[float]) -> None:
+    """Each retry of a failing upstream waits within its doubling step, none longer than the cap."""
+    policy = RetryPolicy(retries=6, backoff_seconds=0.5, backoff_max_seconds=3.0)
+    await fail(Upstream(refusal(503)), policy)
+    steps = [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert len(delays) == len(steps)
+    assert all(step / 2 <= delay <= step for delay, step in zip(delays, steps, strict=True))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        refusal(400, "context too long"),
+        refusal(401, "bad key"),
+        refusal(403, "forbidden"),
+        refusal(404, "no such model"),
+        refusal(422, "unprocessable"),
+    ],
+    ids=repr,
+)
+async def test_a_refusal_is_final_with_the_upstreams_message(delays: list[float], answer: Answer) -> None:
+    """Any other 4xx is not retried: one request, and the error carries the status and the upstream's message."""
+    assert isinstance(answer, httpx.Response)
+    fake = Upstream(answer, ok())
+    error = await fail(fake)
+    assert len(fake.requests) == 1
+    assert delays == []
+    assert error.status == answer.status_code
+    assert error.message == f"the upstream answered {answer.status_code}: {answer.json()['error']['message']}"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'data: {"error": {"message": "model crashed"}}\n\n', b"data: not json\n\n", b"data: [1, 2]\n\n"],
+)
+async def test_a_bad_stream_before_output_is_final(delays: list[float], body: bytes) -> None:
+    """An in-band error or a malformed line is the upstream's answer, not a network fault: no retry."""
+    fake = Upstream(httpx.Response(200, content=body), ok())
+    await fail(fake)
+    assert len(fake.requests) == 1
+    assert delays == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (httpx.ReadError(""), "failed: ReadError"),
+        (
+            httpx.RemoteProtocolError("incomplete chunked read"),
+            "failed: RemoteProtocolError: incomplete chunked read",
+        ),
+        (httpx.ReadTimeout("stalled"), "the upstream sent nothing for 300 s"),
+    ],
+)
+async def test_a_fault_after_output_is_never_retried(
+    delays: list[float], fault: Exception, message: str
+) -> None:
+    """Once a payload was yielded the output reached clients: a later fault ends the stream, with no second request."""
+    fake = Upstream(httpx.Response(200, stream=CutStream(b'data: {"n": 1}\n\n', fault)), ok())
+    received: list[Any] = []
+
+    async def receive() -> None:
+        async with client_for(fake) as client:
+            async for payload in stream_json(client, ROUTE, "/chat/completions", {}, POLICY):
+                received.append(payload)
+
+    with pytest.raises(UpstreamError) as failure:
+        await receive()
+    assert received == [{"n": 1}]
+    assert len(fake.requests) == 1
+    assert delays == []
+    assert message in failure.value.message
+    assert "gave up" not in failure.value.message
+
+
+@pytest.mark.parametrize(
+    ("fault", "message", "status"),
+    [
+        (refusal(503, "overloaded"), "the upstream answered 503: overloaded; gave up after 4 attempts", 503),
+        (refusal(429, "slow down"), "the upstream answered 429: slow down; gave up after 4 attempts", 429),
+        (httpx.ReadTimeout("stalled"), "the upstream sent nothing for 300 s; gave up after 4 attempts", None),
+        (
+            httpx.ConnectError("[Errno 111] Connection refused"),
+            "could not connect to the upstream at http://upstream.test/v1/chat/completions: "
+            "ConnectError: [Errno 111] Connection refused; gave up after 4 attempts",
+            None,
+        ),
+        (
+            httpx.ConnectTimeout("no answer"),
+            "could not connect to the upstream at http://upstream.test/v1/chat/completions within 10 s; "
+            "gave up after 4 attempts",
+            None,
+        ),
+    ],
+)
+async def test_when_retries_run_out_the_error_names_the_attempts_and_the_cause(
+    delays: list[float], fault: Answer, message: str, status: int | None
+) -> None:
+    """An upstream that keeps failing gets retries + 1 requests; the error says how many and the last cause."""
+    fake = Upstream(fault)
+    error = await fail(fake)
+    assert len(fake.requests) == POLICY.attempts == 4
+    assert len(delays) == 3
+    assert (error.message, error.status) == (message, status)
+
+
+async def test_no_retries_means_one_attempt_and_the_cause_as_it_came(delays: list[float]) -> None:
+    """With retries=0 a transient fault is final at once, its message unchanged."""
+    fake = Upstream(refusal(503, "overloaded"), ok())
+    error = await fail(fake, RetryPolicy(retries=0))
+    assert len(fake.requests) == 1
+    assert delays == []
+    assert error.message == "the upstream answered 503: overloaded"
+
+
+async def test_the_stall_message_names_the_configured_stall(delays: list[float]) -> None:
+    """A stall says how long the upstream was silent: the client's read timeout, from the stall setting."""
+    error = await fail(Upstream(httpx.ReadTimeout("stalled")), RetryPolicy(retries=0), stall_seconds=1.5)
+    assert error.message == "the upstream sent nothing for 1.5 s"
+
+
+def test_the_client_times_out_on_silence_and_on_connect_separately() -> None:
+    """The stall setting bounds each read (silence between bytes); the connect setting bounds connecting."""
+    settings = Settings(upstream_stall_seconds=7, upstream_connect_seconds=3)
+    client = create_client(
+        settings.upstream_stall_seconds, 1, connect_seconds=settings.upstream_connect_seconds
+    )
+    assert (client.timeout.read, client.timeout.connect) == (7, 3)
+
+
+def test_the_retry_policy_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RESPOOL_UPSTREAM_* env vars set the retries and backoff; a tiny backoff is the testing switch."""
+    monkeypatch.setenv("RESPOOL_UPSTREAM_RETRIES", "5")
+    monkeypatch.setenv("RESPOOL_UPSTREAM_BACKOFF_SECONDS", "0.01")
+    monkeypatch.setenv("RESPOOL_UPSTREAM_BACKOFF_MAX_SECONDS", "0.02")
+    policy = RetryPolicy.from_settings(Settings())
+    assert policy == RetryPolicy(retries=5, backoff_seconds=0.01, backoff_max_seconds=0.02)
+    assert all(policy.delay(retry) <= 0.02 for retry in range(1, 10))
+
+
+def test_the_defaults_are_three_retries_half_a_second_apart_capped_at_eight() -> None:
+    """Unset, the settings give 3 retries from 0.5 s up to 8 s, a 300 s stall and a 10 s connect timeout."""
+    settings = Settings()
+    assert RetryPolicy.from_settings(settings) == RetryPolicy() == RetryPolicy(3, 0.5, 8.0)
+    assert (settings.upstream_stall_seconds, settings.upstream_connect_seconds) == (300, 10)
+
+
+async def test_cancelling_during_backoff_propagates_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel that arrives while waiting to retry ends the call with CancelledError, and no retry is sent."""
+    waiting = asyncio.Event()
+
+    async def wait_forever(seconds: float) -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(upstream, "sleep", wait_forever)
+    fake = Upstream(refusal(503), ok())
+    task = asyncio.create_task(collect(fake))
+    await waiting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(fake.requests) == 1
+
+
+def every_httpx_error(kind: type[httpx.HTTPError] = httpx.HTTPError) -> set[type[httpx.HTTPError]]:
+    return {kind}.union(*(every_httpx_error(sub) for sub in kind.__subclasses__()))
+
+
+def test_every_httpx_error_is_classified() -> None:
+    """Each exception httpx can raise is listed here as transient or final, so a new one cannot slip by."""
+    assert every_httpx_error() == {*TRANSIENT, *FINAL, *BASES}
+
+
+def raised(kind: type[httpx.HTTPError]) -> Exception:
+    if kind is httpx.HTTPStatusError:
+        request = httpx.Request("POST", "http://upstream.test")
+        return kind("boom", request=request, response=httpx.Response(500, request=request))
+    return kind("boom")
+
+
+@pytest.mark.parametrize("kind", [*TRANSIENT, *FINAL], ids=lambda kind: kind.__name__)
+async def test_every_httpx_error_becomes_an_upstream_error(
+    delays: list[float], kind: type[httpx.HTTPError]
+) -> None:
+    """Any httpx exception ends as UpstreamError; only the transient ones are tried again."""
+    fake = Upstream(raised(kind))
+    error = await fail(fake)
+    is_transient = kind in TRANSIENT
+    assert len(fake.requests) == (POLICY.attempts if is_transient else 1)
+    assert ("gave up after 4 attempts" in error.message) is is_transient
