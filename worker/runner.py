@@ -21,7 +21,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import store
 from worker.errors import RespoolError
-from worker.events import AppendResult, Event, EventLog, connect, encode, expire_response, last_event
+from worker.events import (
+    AppendResult,
+    Event,
+    EventLog,
+    connect,
+    encode,
+    expire_response,
+    last_event,
+    read_events,
+)
 from worker.lease import Lease, Leases
 from worker.response import TERMINAL, Status, failed, finished, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
@@ -220,7 +229,7 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
         return
     if last is not None and last.type not in _BEFORE_OUTPUT:
         # DESIGN.md §4: an earlier attempt's output reached clients; generating again would repeat it.
-        await _finish(rt, writer, stored, failed(response, WORKER_LOST, int(time.time())))
+        await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
         return
     announced = last is not None and last.type == "response.in_progress"
     final = await _produce(rt, writer, stored, response, announced=announced)
@@ -228,6 +237,15 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
         await _end_as_stored(rt, writer)
         return
     await _finish(rt, writer, stored, final)
+
+
+async def _end_what_was_told(rt: Runtime, writer: ResponseWriter, response: dict[str, Any]) -> dict[str, Any]:
+    """The failed Response of a response whose earlier attempt died mid-output: the items that
+    attempt had opened are closed `incomplete` on the stream and kept, so both tell the same."""
+    told = await read_events(rt.redis, response["id"])
+    out = output.rebuild(event.payload() for event in told)
+    await _emit(writer, output.close_open(out, "incomplete"))
+    return failed(response, WORKER_LOST, int(time.time()), output=output.output_items(out))
 
 
 async def _produce(

@@ -115,6 +115,10 @@ def test_kill_9_with_100_responses_in_flight(
         stored = check_ended(sdk, response_id)
         if response_id in talking_ids:
             assert stored["error"] == {"code": "server_error", "message": WORKER_LOST}
+            # What had been streamed is kept, closed as incomplete: the stream and the record agree.
+            (message,) = stored["output"]
+            assert message["status"] == "incomplete"
+            assert " ".join(f"w{n}" for n in range(100)).startswith(message["content"][0]["text"])
         else:
             assert stored["output"][0]["content"][0]["text"] == "quiet answer"
     assert len(upstream.requests(quiet)) == 100  # each quiet response was asked for exactly twice

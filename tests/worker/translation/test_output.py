@@ -1,0 +1,56 @@
+"""Rebuilding the output from the events told so far: what a new attempt ends when the last one died mid-output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.support.schema import validate_event
+from tests.worker.translation import test_chat_stream, test_native
+from worker.translation.output import close_open, output_items, rebuild
+
+Events = list[dict[str, Any]]
+
+
+def _streams() -> dict[str, Events]:
+    streams = {
+        f"chat/{name}": test_chat_stream.run(test_chat_stream.load(name))[0]
+        for name in test_chat_stream.FIXTURE_NAMES
+    }
+    streams |= {f"native/{name}": test_native.run(test_native.load(name))[0] for name in test_native.NAMES}
+    return streams
+
+
+STREAMS = _streams()
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_a_stream_cut_anywhere_closes_into_what_was_told(name: str) -> None:
+    """Cut after any event, the rebuilt output closes with valid `.done` events into items whose
+    text is exactly what the deltas told, every item done, the open ones `incomplete`."""
+    events = STREAMS[name]
+    for cut in range(len(events) + 1):
+        told = events[:cut]
+        out = rebuild(told)
+        closing = close_open(out, "incomplete")
+        for number, event in enumerate(closing):
+            if not test_native._is_hosted(event):  # the schema has no hosted tool items
+                validate_event({**event, "sequence_number": number})
+        whole = told + closing
+        added = {e["output_index"] for e in whole if e["type"] == "response.output_item.added"}
+        done = {e["output_index"]: e["item"] for e in whole if e["type"] == "response.output_item.done"}
+        assert set(done) == added, f"cut at {cut}: items left open"
+        assert [done[index] for index in sorted(done)] == output_items(out), f"cut at {cut}"
+        if name.startswith("chat/") and all(
+            e["type"] != "response.function_call_arguments.delta" for e in told
+        ):
+            assert test_chat_stream.fold(whole) == output_items(out), f"cut at {cut}"
+
+
+def test_a_whole_stream_leaves_nothing_open() -> None:
+    """A stream told to its end rebuilds with nothing open and the same items its `.done` events carry."""
+    events = STREAMS["chat/vllm_reasoning"]
+    out = rebuild(events)
+    assert close_open(out, "incomplete") == []
+    assert output_items(out) == [e["item"] for e in events if e["type"] == "response.output_item.done"]
