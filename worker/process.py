@@ -13,11 +13,14 @@ import concurrent.futures
 import logging
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis as SyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -33,6 +36,9 @@ from worker.runner import RunEnd, Runtime, close_runtime, open_runtime, run_resp
 from worker.settings import Settings
 
 log = logging.getLogger("respool.worker")
+
+# What an unreachable (stopped, restarting, partitioned) Redis raises.
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
 @dataclass
@@ -83,16 +89,53 @@ class ResponseWorker(BaseWorker):
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
-        """Take a job only when a slot is free: a job popped without one would wait unseen."""
-        self._wait_for_slot()
+        """Take a job only when a slot is free: a job popped without one would wait unseen.
+
+        While Redis is unreachable, wait for it: RQ's own loop would quit on the error.
+        """
+        while True:
+            self._wait_for_slot()
+            try:
+                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(
+                    timeout, max_idle_time
+                )
+            except _REDIS_DOWN as exc:
+                self._slots.release()
+                self._wait_for_redis(exc)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            if result is None:
+                self._slots.release()
+            return result
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        if pipeline is not None:  # queued on someone's pipeline: its execute() meets any error
+            super().heartbeat(timeout, pipeline=pipeline)
+            return
         try:
-            result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-        except BaseException:
-            self._slots.release()
-            raise
-        if result is None:
-            self._slots.release()
-        return result
+            super().heartbeat(timeout)
+        except _REDIS_DOWN as exc:
+            log.warning("worker heartbeat failed (%s); carrying on", exc)
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except _REDIS_DOWN as exc:
+            log.warning("maintenance skipped: Redis is unreachable (%s)", exc)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        try:
+            super().check_for_suspension(burst)
+        except _REDIS_DOWN as exc:
+            self._wait_for_redis(exc)
+
+    def _wait_for_redis(self, exc: Exception) -> None:
+        log.warning("Redis is unreachable (%s); waiting for it", exc)
+        time.sleep(self._settings.maintenance_seconds)
+        if self._stop_requested:
+            raise StopRequested()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Start the job's response on the event loop and return at once."""
