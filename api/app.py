@@ -40,12 +40,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
     app.state.keys = keys
-    errors.install(app)
+    errors.install(app, settings.retry_after_seconds)
     app.include_router(router)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
-        """The process is alive."""
+        """The process is alive (whatever Redis and Postgres are doing)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, str]:
+        """Redis and Postgres both answer; a 503 with `retry-after` while either does not.
+
+        For monitoring: every replica shares them, so gating traffic on it would turn an outage's
+        503s (which tell clients when to retry) into refused connections.
+        """
+        service: ResponseService = app.state.service
+        await service.check_ready()
         return {"status": "ok"}
 
     return app

@@ -1,6 +1,8 @@
 """Rendering every error in OpenAI's envelope (PROTOCOL.md §5.6), with `x-request-id` on every answer.
 
 Domain errors (`worker.errors`) carry their own status; framework errors are mapped here once.
+A 503 says when to come back (`retry-after`, `RESPOOL_RETRY_AFTER_SECONDS`); one that follows a
+recorded create also says not to come back on its own (`x-should-retry: false`, PROTOCOL.md §5.5).
 """
 
 from __future__ import annotations
@@ -15,34 +17,48 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
-from worker.errors import InvalidRequestError, NotFoundError, RespoolError, UnavailableError
+from worker.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RespoolError,
+    UnavailableAfterCommitError,
+    UnavailableError,
+)
 
 log = logging.getLogger("respool.api")
 
 REQUEST_ID = "x-request-id"
 
 
-def error_response(error: RespoolError) -> ORJSONResponse:
-    """The envelope for `error`, with `retry-after` where the client should come back."""
+def error_response(error: RespoolError, retry_after_seconds: int | None = None) -> ORJSONResponse:
+    """The envelope for `error`, with `retry-after` where the client should come back (and
+    `x-should-retry: false` where its SDK must not do so by itself)."""
     headers = {}
     if isinstance(error, UnavailableError):
-        headers["retry-after"] = str(error.retry_after_seconds)
+        headers["retry-after"] = str(retry_after_seconds or error.retry_after_seconds)
+    if isinstance(error, UnavailableAfterCommitError):
+        headers["x-should-retry"] = "false"
     return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)
 
 
-def committed_error_response(exc: Exception) -> ORJSONResponse:
+def committed_error_response(exc: Exception, retry_after_seconds: int | None = None) -> ORJSONResponse:
     """An error after a create was committed: never retried, or the SDK would run it twice (PROTOCOL.md §5.5)."""
     if not isinstance(exc, RespoolError):
         log.exception("error while waiting for a committed response")
         exc = UnavailableError("The response was accepted, but waiting for it failed; retrieve it by id.")
-    answer = error_response(exc)
+    answer = error_response(exc, retry_after_seconds)
     answer.headers["x-should-retry"] = "false"
     return answer
 
 
+def _retry_after(request: Request) -> int | None:
+    seconds: int | None = getattr(request.app.state, "retry_after_seconds", None)
+    return seconds
+
+
 async def _domain(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RespoolError)
-    return error_response(exc)
+    return error_response(exc, _retry_after(request))
 
 
 async def _validation(request: Request, exc: Exception) -> Response:
@@ -75,7 +91,9 @@ class RequestIdMiddleware(BaseHTTPMiddleware):
         return response
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, retry_after_seconds: int | None = None) -> None:
+    """Render every error (`retry_after_seconds` on each 503; None: the error's own default)."""
+    app.state.retry_after_seconds = retry_after_seconds
     app.add_exception_handler(RespoolError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(HTTPException, _http)

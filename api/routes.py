@@ -44,14 +44,14 @@ async def create_response(request: Request, owner: Owner) -> Response:
     if created.request.is_stream:
         events = service.follow(response_id, -1, service.settings.sse_heartbeat_seconds)
         return sse_response(
-            events, on_disconnect=_abandon(service, owner, response_id) if is_foreground else None
+            events, -1, on_disconnect=_abandon(service, owner, response_id) if is_foreground else None
         )
     if not is_foreground:
         return ORJSONResponse(created.response)
     try:
         final = await until_disconnected(request, service.wait(response_id))
     except Exception as exc:  # the job is committed: whatever failed, the client must not retry
-        return committed_error_response(exc)
+        return committed_error_response(exc, service.settings.retry_after_seconds)
     if final is None:  # the client went away: nobody is left to answer
         await service.abandon(owner, response_id)
         return Response(status_code=499)
@@ -74,9 +74,12 @@ async def retrieve_response(
     service = _service(request)
     if not stream:
         return ORJSONResponse(await service.retrieve(owner, response_id))
-    await service.check_streamable(owner, response_id)
+    is_finished = await service.check_streamable(owner, response_id)
     after = -1 if starting_after is None else starting_after
-    return sse_response(service.follow(response_id, after, service.settings.sse_heartbeat_seconds))
+    events = service.follow(
+        response_id, after, service.settings.sse_heartbeat_seconds, is_finished=is_finished
+    )
+    return sse_response(events, after)
 
 
 @router.post("/responses/{response_id}/cancel")

@@ -120,6 +120,15 @@ def other_client(stack: Stack) -> Iterator[openai.OpenAI]:
         yield client
 
 
+@pytest.fixture(scope="module")
+def second_api(stack: Stack) -> Iterator[openai.OpenAI]:
+    """The SDK as tenant A against a second API process on the same Redis and Postgres."""
+    url = stack.start_api("api-2")
+    with make_sdk(url, KEY_A) as client:
+        yield client
+    stack.stop("api-2")
+
+
 @pytest.fixture
 def open_client(queue_only: Stack) -> Iterator[openai.OpenAI]:
     """The SDK against the API that has no keys and no worker."""

@@ -8,6 +8,7 @@
     ├── AuthenticationError           401
     ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
     └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
+        └── UnavailableAfterCommitError   503, never retried: the create was already recorded
 
 The core raises these; it never raises HTTP exceptions (STYLE.md §10).
 """
@@ -92,3 +93,8 @@ class UnavailableError(RespoolError):
     type = "server_error"
     code = "service_unavailable"
     retry_after_seconds = 1
+
+
+class UnavailableAfterCommitError(UnavailableError):
+    """A backing server failed after a create was recorded. The SDK must not retry it: it would
+    create the response twice (PROTOCOL.md §5.5). The message names the response."""

@@ -15,6 +15,9 @@ from typing import Any, cast
 import orjson
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worker.keys import attempt_key, cancel_key, events_key, lease_key
 from worker.lease import Lease
@@ -58,9 +61,22 @@ class AppendResult(IntEnum):
     CANCEL_REQUESTED = 1
 
 
-def connect(redis_url: str, max_connections: int) -> Redis:
-    """A client whose pool makes a burst wait for a free connection instead of failing."""
-    pool = BlockingConnectionPool.from_url(redis_url, max_connections=max_connections, timeout=30)
+def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
+    """A client whose pool makes a burst wait for a free connection instead of failing, and whose
+    every connect and reply gives up after `timeout_seconds`: a hung Redis is an error, not a hang.
+    So never a blocking read (XREAD BLOCK) longer than that: such a read needs a client of its own.
+
+    A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
+    each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
+    """
+    pool = BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=max_connections,
+        timeout=30,
+        socket_connect_timeout=timeout_seconds,
+        socket_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
     return Redis(connection_pool=pool)
 
 

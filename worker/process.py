@@ -34,6 +34,7 @@ from worker.queue import job_statuses, response_queue
 from worker.recovery import sweep
 from worker.runner import RunEnd, Runtime, close_runtime, open_runtime, run_response
 from worker.settings import Settings
+from worker.store import is_unreachable
 
 log = logging.getLogger("respool.worker")
 
@@ -62,6 +63,8 @@ class ResponseWorker(BaseWorker):
             job_monitoring_interval=settings.registry_seconds,
         )
         self.maintenance_interval = settings.maintenance_seconds
+        # RQ's reconnect backoff grows to a minute by default: after an outage, resume sooner.
+        self.max_connection_wait_time = float(max(5, settings.maintenance_seconds * 2))
         self._settings = settings
         self._slots = threading.Semaphore(concurrency)
         self._running: dict[str, _Running] = {}
@@ -209,8 +212,11 @@ class ResponseWorker(BaseWorker):
             await asyncio.sleep(seconds)
             try:
                 await action()
-            except Exception:
-                log.exception("periodic %s failed; retrying", action.__name__)
+            except Exception as exc:
+                if isinstance(exc, _REDIS_DOWN) or is_unreachable(exc):  # an outage: say it in one line
+                    log.warning("periodic %s skipped: %s", action.__name__, type(exc).__name__)
+                else:
+                    log.exception("periodic %s failed; retrying", action.__name__)
 
     async def _heartbeat(self) -> None:
         """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4).

@@ -10,13 +10,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 import httpx
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError as RedisResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import store
@@ -91,6 +95,7 @@ class Runtime:
     synthetic_delay_seconds: float
     leases: Leases
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    database_wait_seconds: float = 120.0
     log: EventLog = field(init=False)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     held: dict[str, Lease] = field(default_factory=dict)
@@ -121,12 +126,17 @@ class Runtime:
 
 
 class ResponseWriter:
-    """Numbers one attempt's events and appends them under its lease."""
+    """Numbers one attempt's events and appends them under its lease.
 
-    def __init__(self, log_: EventLog, lease: Lease, next_sequence: int) -> None:
+    An append that meets an unreachable Redis is retried for up to `patience` seconds (the lease's
+    time to live: past it the lease is gone and the append would be fenced anyway).
+    """
+
+    def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
         self._log = log_
         self.lease = lease
         self.next_sequence = next_sequence
+        self.patience = patience
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
         """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
@@ -134,11 +144,30 @@ class ResponseWriter:
         for event in events:
             encoded.append(encode(event, self.next_sequence))
             self.next_sequence += 1
-        result = await self._log.append(self.lease, encoded)
+        result = await self._append(encoded)
         if result is AppendResult.FENCED:
             raise FencedOut(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:
             raise CancelRequested(self.lease.response_id)
+
+    async def _append(self, encoded: list[Event]) -> AppendResult:
+        deadline, delay, is_retry = time.monotonic() + self.patience, 0.1, False
+        while True:
+            try:
+                return await self._log.append(self.lease, encoded)
+            except RedisResponseError as exc:
+                # Explicit entry ids make a repeat fail (DESIGN.md §3): on a retry that means the
+                # first try was written and only its reply was lost.
+                if is_retry and "equal or smaller" in str(exc):
+                    return AppendResult.OK
+                raise
+            except (RedisConnectionError, RedisTimeoutError):
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("response %s: Redis unreachable; retrying an append", self.lease.response_id)
+            is_retry = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +230,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
         last = await last_event(rt.redis, lease.response_id)
         if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
             return
-        writer = ResponseWriter(rt.log, lease, last.sequence_number + 1)
+        writer = ResponseWriter(rt.log, lease, last.sequence_number + 1, rt.leases.ttl_seconds)
         final = failed(
             stored.response, "The server had an error while running this response.", int(time.time())
         )
@@ -212,18 +241,18 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
 
 async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     response_id = lease.response_id
-    async with rt.engine.connect() as conn:
-        stored = await store.get_response(conn, response_id)
+    stored = await _patiently(rt, partial(_read, rt, response_id))
     if stored is None:
         return  # deleted before it ran
     last = await last_event(rt.redis, response_id)
-    writer = ResponseWriter(rt.log, lease, 0 if last is None else last.sequence_number + 1)
+    writer = ResponseWriter(
+        rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
+    )
     if stored.status in TERMINAL:
         await _ensure_terminal(rt, writer, stored.response, last)
         return
     response = with_status(stored.response, Status.IN_PROGRESS)
-    async with rt.engine.begin() as conn:
-        started = await store.mark_in_progress(conn, response_id, lease.attempt, response)
+    started = await _patiently(rt, partial(_mark_in_progress, rt, lease, response))
     if not started:
         await _end_as_stored(rt, writer)
         return
@@ -287,20 +316,20 @@ async def _produce(
 
 async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse) -> chat_stream.Outcome:
     route = rt.routes.resolve(stored.request["model"])
+    model = route.upstream_model or route.model
     if route.api is UpstreamApi.RESPONSES:
-        return await _generate_native(rt, writer, stored, route)
-    body = chat_request.to_chat_request(
-        stored.request, stored.conversation, route.upstream_model or route.model
-    )
-    state = chat_stream.start_stream(include_logprobs=chat_request.includes_logprobs(stored.request))
-    try:
-        async for chunk in _chat_chunks(rt, route, body):
-            await _emit(writer, chat_stream.translate_chunk(state, chunk))
-        events, outcome = chat_stream.finish_stream(state)
-    except _UPSTREAM_FAULTS as exc:
-        raise await _fail_mid_stream(writer, state.output, exc) from exc
-    await _emit(writer, events)
-    return outcome
+        native_state = native.NativeStream()
+        body = native.to_responses_request(stored.request, stored.conversation, model)
+        events = stream_json(rt.http, route, "/responses", body, rt.retry)
+        translate = partial(native.translate_event, native_state)
+        finish = partial(native.finish_stream, native_state)
+        return await _translate(writer, events, translate, finish, native_state.output)
+    chat_state = chat_stream.start_stream(include_logprobs=chat_request.includes_logprobs(stored.request))
+    body = chat_request.to_chat_request(stored.request, stored.conversation, model)
+    chunks = _chat_chunks(rt, route, body)
+    translate = partial(chat_stream.translate_chunk, chat_state)
+    finish = partial(chat_stream.finish_stream, chat_state)
+    return await _translate(writer, chunks, translate, finish, chat_state.output)
 
 
 def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -309,19 +338,26 @@ def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterat
     return stream_json(rt.http, route, "/chat/completions", body, rt.retry)
 
 
-async def _generate_native(
-    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, route: Route
+Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
+
+
+async def _translate(
+    writer: ResponseWriter,
+    payloads: AsyncIterator[dict[str, Any]],
+    translate: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    finish: Finish,
+    out: output.Output,
 ) -> chat_stream.Outcome:
-    body = native.to_responses_request(
-        stored.request, stored.conversation, route.upstream_model or route.model
-    )
-    state = native.NativeStream()
+    """Append the events of every upstream payload, then the closing ones; the outcome.
+
+    An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
+    """
     try:
-        async for upstream_event in stream_json(rt.http, route, "/responses", body, rt.retry):
-            await _emit(writer, native.translate_event(state, upstream_event))
-        events, outcome = native.finish_stream(state)
+        async for payload in payloads:
+            await _emit(writer, translate(payload))
+        events, outcome = finish()
     except _UPSTREAM_FAULTS as exc:
-        raise await _fail_mid_stream(writer, state.output, exc) from exc
+        raise await _fail_mid_stream(writer, out, exc) from exc
     await _emit(writer, events)
     return outcome
 
@@ -341,12 +377,7 @@ async def _finish(
     rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]
 ) -> None:
     """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored."""
-    attempt = writer.lease.attempt
-    async with rt.engine.begin() as conn:
-        if stored.store:
-            won = await store.mark_finished(conn, stored.id, attempt, final)
-        else:
-            won = await store.delete_finished(conn, stored.id, attempt)
+    won = await _patiently(rt, partial(_record_final, rt, stored, writer.lease.attempt, final))
     if not won:
         await _end_as_stored(rt, writer)
         return
@@ -356,8 +387,7 @@ async def _finish(
 
 async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
     """Another outcome (a cancel) won in Postgres: end the stream with what is stored there."""
-    async with rt.engine.connect() as conn:
-        stored = await store.get_response(conn, writer.lease.response_id)
+    stored = await _patiently(rt, partial(_read, rt, writer.lease.response_id))
     if stored is not None and stored.status in TERMINAL:
         await _ensure_terminal(rt, writer, stored.response, await last_event(rt.redis, stored.id))
 
@@ -370,6 +400,47 @@ async def _ensure_terminal(
         return
     await writer.emit([terminal_event(response)], final=True)
     await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+
+
+# --- Postgres, waited for -------------------------------------------------------------------------
+
+
+async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
+    """`action`, retried while Postgres is unreachable, for up to `database_wait_seconds`.
+
+    The heartbeat keeps the lease meanwhile, so a response that finished generating during a
+    Postgres outage (or restart) is recorded once it is back, instead of being lost.
+    """
+    deadline, delay = time.monotonic() + rt.database_wait_seconds, 0.25
+    while True:
+        try:
+            return await action()
+        except Exception as exc:
+            if not store.is_unreachable(exc) or time.monotonic() > deadline:
+                raise
+            log.warning("Postgres is unreachable (%s); retrying in %.1f s", type(exc).__name__, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
+    async with rt.engine.connect() as conn:
+        return await store.get_response(conn, response_id)
+
+
+async def _mark_in_progress(rt: Runtime, lease: Lease, response: dict[str, Any]) -> bool:
+    async with rt.engine.begin() as conn:
+        return await store.mark_in_progress(conn, lease.response_id, lease.attempt, response)
+
+
+async def _record_final(
+    rt: Runtime, stored: store.StoredResponse, attempt: int, final: dict[str, Any]
+) -> bool:
+    """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing."""
+    async with rt.engine.begin() as conn:
+        if stored.store:
+            return await store.mark_finished(conn, stored.id, attempt, final)
+        return await store.delete_finished(conn, stored.id, attempt)
 
 
 async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
@@ -389,7 +460,9 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
                 conn, response_id, failed(stored.response, message, int(time.time()))
             )
         last = await last_event(rt.redis, response_id)
-        writer = ResponseWriter(rt.log, lease, 0 if last is None else last.sequence_number + 1)
+        writer = ResponseWriter(
+            rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
+        )
         await _end_as_stored(rt, writer)
         return bool(won)
     finally:
@@ -406,6 +479,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
             settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds
         ),
         retry=RetryPolicy.from_settings(settings),
+        database_wait_seconds=settings.database_wait_seconds,
         routes=load_routes(settings),
         holder=holder,
         stream_ttl_seconds=settings.stream_ttl_seconds,

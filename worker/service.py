@@ -7,6 +7,7 @@ takes the caller's `owner`; a response of another owner is "not found", on every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,12 @@ from typing import Any, Literal
 
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import store
@@ -25,6 +29,7 @@ from worker.errors import (
     InvalidRequestError,
     PreviousResponseNotFoundError,
     ResponseNotFoundError,
+    UnavailableAfterCommitError,
     UnavailableError,
 )
 from worker.events import Event, EventLog, connect, encode, expire_response, last_event
@@ -44,6 +49,7 @@ from worker.translation import chat_request
 log = logging.getLogger("respool.service")
 
 CANCEL_FLAG_SECONDS = 3600
+TAILER_BLOCK_MS = 10_000
 
 
 @dataclass(frozen=True)
@@ -63,16 +69,22 @@ class ResponseService:
         self.redis = redis
         self.queue: Queue = response_queue(sync_redis, settings.queue)
         self.routes: Routes = load_routes(settings)
-        self.tailer = Tailer(redis, Redis.from_url(settings.redis_url, max_connections=1))
+        self.tailer = Tailer(redis, _blocking_client(settings), block_ms=TAILER_BLOCK_MS)
         self.leases = Leases(redis, settings.lease_seconds)
         self.log = EventLog(redis)
         self.holder = f"api:{new_id('proc')}"
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
-        engine = store.create_engine(settings.database_url)
-        redis = connect(settings.redis_url, max_connections=256)
-        return cls(settings, engine, redis, SyncRedis.from_url(settings.redis_url))
+        engine = store.create_engine(
+            settings.database_url, connect_timeout_seconds=settings.database_connect_timeout_seconds
+        )
+        timeout = settings.redis_timeout_seconds
+        redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
+        sync_redis = SyncRedis.from_url(
+            settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout
+        )
+        return cls(settings, engine, redis, sync_redis)
 
     async def start(self) -> None:
         await self.tailer.start()
@@ -93,6 +105,7 @@ class ResponseService:
         own_items = normalize_input(request.input)
         response_id = new_id("resp")
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
+        await self._check_queue()
         async with _database(), self.engine.begin() as conn:
             history = await self._history(conn, owner, request.previous_response_id)
             conversation = history + own_items
@@ -118,6 +131,12 @@ class ResponseService:
             )
         return previous.conversation + list(previous.response.get("output") or [])
 
+    async def _check_queue(self) -> None:
+        """Raise `UnavailableError` unless Redis answers: refused before anything is written, a create
+        is safe for the SDK to retry (PROTOCOL.md §5.5)."""
+        async with _redis():
+            await self.redis.ping()
+
     async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
@@ -128,11 +147,21 @@ class ResponseService:
                 enqueue_response, self.queue, response["id"], first, self.settings.max_attempts
             )
         except RedisError as exc:
-            # Nothing reached the queue: fail the row, so a retry by the SDK duplicates no work.
+            # The row is committed, so the SDK must not retry; and whether the job reached the queue
+            # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
             log.error("response %s: enqueue failed: %s", response["id"], exc)
+            await self._fail_unqueued(response)
+            raise UnavailableAfterCommitError(
+                f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
+                "queued, and has been marked failed. Retry the request shortly."
+            ) from exc
+
+    async def _fail_unqueued(self, response: dict[str, Any]) -> None:
+        try:
             async with _database(), self.engine.begin() as conn:
                 await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
-            raise UnavailableError("The queue is unavailable; retry the request shortly.") from exc
+        except UnavailableError:  # Postgres is gone too: the workers' sweep ends the row later
+            log.error("response %s: could not mark the unqueued response failed", response["id"])
 
     # Read ------------------------------------------------------------------------------------
 
@@ -140,28 +169,59 @@ class ResponseService:
         """The Response as it stands (PROTOCOL.md §6.3 polling)."""
         return (await self._stored(owner, response_id)).response
 
-    async def check_streamable(self, owner: str, response_id: str) -> None:
-        """Raise unless the response exists for `owner` and its events are still kept."""
+    async def check_streamable(self, owner: str, response_id: str) -> bool:
+        """Raise unless the response exists for `owner` and its events are still kept; whether it
+        has finished (then its stream is replayed, never followed live).
+
+        Redis is asked even for a live response, so an outage is a 503 before the stream starts.
+        """
         stored = await self._stored(owner, response_id)
-        if stored.status in TERMINAL and await last_event(self.redis, response_id) is None:
+        async with _redis():
+            last = await last_event(self.redis, response_id)
+        is_finished = stored.status in TERMINAL
+        if is_finished and last is None:
             raise InvalidRequestError(
                 "The event stream of this response has expired; retrieve it without stream=true.",
                 param="stream",
             )
+        return is_finished
 
-    def follow(
-        self, response_id: str, after: int = -1, idle_seconds: float | None = None
+    async def follow(
+        self,
+        response_id: str,
+        after: int = -1,
+        idle_seconds: float | None = None,
+        *,
+        is_finished: bool = False,
     ) -> AsyncIterator[Event | None]:
-        """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3)."""
-        return self.tailer.follow(response_id, after, idle_seconds)
+        """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
+        finished response only what is stored (an `after` past its end is an empty stream).
+
+        Raises `UnavailableError` if Redis is lost meanwhile: the reader resumes after the last
+        event it got, once Redis is back.
+        """
+        async with (
+            _redis(),
+            contextlib.aclosing(self.tailer.follow(response_id, after, idle_seconds, is_finished)) as events,
+        ):
+            async for item in events:
+                yield item
 
     async def wait(self, response_id: str) -> dict[str, Any]:
         """Hold a foreground request until its terminal event, and return its Response."""
-        async for event in self.tailer.follow(response_id):
-            if event is not None and event.is_terminal:
-                response: dict[str, Any] = event.payload()["response"]
-                return response
-        raise UnavailableError("The response's event stream ended without a terminal event.")
+        try:
+            async for event in self.follow(response_id):
+                if event is not None and event.is_terminal:
+                    response: dict[str, Any] = event.payload()["response"]
+                    return response
+        except UnavailableError as exc:
+            raise UnavailableAfterCommitError(
+                f"Response '{response_id}' was accepted, but its events became unavailable while "
+                "waiting for it; retrieve it by id shortly."
+            ) from exc
+        raise UnavailableAfterCommitError(
+            f"The event stream of response '{response_id}' ended without a terminal event; retrieve it by id."
+        )
 
     async def input_items(
         self, owner: str, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
@@ -197,9 +257,10 @@ class ResponseService:
         cancelled = await self._cancel_live(owner, response_id)
         if cancelled is None:  # already terminal, or it just finished
             stored = await self._stored(owner, response_id)
-            if stored.status is Status.CANCELLED:
-                return stored.response
-            raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
+            if stored.status is not Status.CANCELLED:
+                raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
+            await self._finish_cancel(response_id, stored.response)
+            return stored.response
         return cancelled
 
     async def abandon(self, owner: str, response_id: str) -> None:
@@ -214,10 +275,26 @@ class ResponseService:
             cancelled = await store.mark_cancelled(conn, response_id, owner)
         if cancelled is None:
             return None
-        await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
-        if await asyncio.to_thread(remove_queued, self.queue, response_id):
-            await self._end_stream(response_id, cancelled)
+        await self._signal_cancel(response_id, cancelled)
         return cancelled
+
+    async def _signal_cancel(
+        self, response_id: str, cancelled: dict[str, Any], *, is_retry: bool = False
+    ) -> None:
+        """Reach whoever holds a cancelled response: the flag stops a worker running it; a job still
+        queued is removed and its stream ended here (on a retry, whether or not it was queued)."""
+        async with _redis():
+            await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
+            if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
+                await self._end_stream(response_id, cancelled)
+
+    async def _finish_cancel(self, response_id: str, cancelled: dict[str, Any]) -> None:
+        """A repeated cancel completes one an outage cut short after Postgres recorded it (its 503
+        made the SDK retry): the stream is still open, so signal again."""
+        async with _redis():
+            last = await last_event(self.redis, response_id)
+        if last is not None and not last.is_terminal:
+            await self._signal_cancel(response_id, cancelled, is_retry=True)
 
     async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
         """Delete a response, its input items and its events; a live background one is cancelled first."""
@@ -228,12 +305,21 @@ class ResponseService:
                     "Cannot delete a synchronous response while it is in progress.", param="response_id"
                 )
             await self.cancel(owner, response_id)
+        # Redis first: if it is down, nothing is deleted yet and the SDK's retry finds the row.
+        # Deleting the lease fences out a worker still running it: it can write nothing more.
+        async with _redis():
+            await self.redis.delete(*response_keys(response_id))
+            await asyncio.to_thread(delete_job, self.queue, response_id)
         async with _database(), self.engine.begin() as conn:
             await store.delete_response(conn, response_id, owner)
-        # Deleting the lease fences out a worker still running it: it can write nothing more.
-        await self.redis.delete(*response_keys(response_id))
-        await asyncio.to_thread(delete_job, self.queue, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    async def check_ready(self) -> None:
+        """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
+        async with _redis():
+            await self.redis.ping()
+        async with _database(), self.engine.connect():  # a checkout pings (pool_pre_ping)
+            pass
 
     async def _end_stream(self, response_id: str, response: dict[str, Any]) -> None:
         """End a never-run response's stream with its terminal event, under a lease of our own."""
@@ -282,6 +368,38 @@ def _row(
     }
 
 
+def _blocking_client(settings: Settings) -> Redis:
+    """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
+    that plus the usual one (a shorter one would cut every idle XREAD short)."""
+    timeout = settings.redis_timeout_seconds
+    return Redis.from_url(
+        settings.redis_url,
+        max_connections=1,
+        socket_connect_timeout=timeout,
+        socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
+    )
+
+
+class _redis:
+    """Map a Redis outage to `UnavailableError` (503 + retry-after) at this boundary."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if isinstance(exc, RedisError) and _is_redis_outage(exc):
+            raise UnavailableError("The queue (Redis) is unavailable; retry the request shortly.") from exc
+
+
+def _is_redis_outage(exc: RedisError) -> bool:
+    """Unreachable, hung, still loading its data (a ConnectionError), or a replica after a failover."""
+    if isinstance(exc, RedisAuthenticationError):
+        return False  # a misconfiguration, not an outage: a 500 that says so in the log
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError)
+
+
 class _database:
     """Map a Postgres outage to `UnavailableError` (503 + retry-after) at this boundary."""
 
@@ -296,6 +414,4 @@ class _database:
 
 
 def _is_connection_error(exc: SQLAlchemyError) -> bool:
-    return isinstance(exc, OperationalError | InterfaceError) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
-    )
+    return store.is_unreachable(exc)

@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     drain_seconds: float = 30.0
     # Runs of one response before it is given up (a worker dying under it each time).
     max_attempts: int = 3
+    # How long a worker holding a response waits for an unreachable Postgres before giving up on it.
+    database_wait_seconds: float = 120.0
     # A foreground request whose client goes away is cancelled (DESIGN.md §2).
     cancel_on_disconnect: bool = True
 

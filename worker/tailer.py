@@ -4,6 +4,10 @@ A single task blocks in `XREAD` over every stream this process relays, plus a pr
 stream: a new subscriber XADDs to it, so the blocked read returns and the next one includes the
 new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
 between the replay and the live tail.
+
+A failed read ends every live subscriber with a Redis error: while Redis is unreachable nobody can
+tell what is being missed (or, if it comes back empty, lost), so readers end at once and resume
+with `starting_after` instead of waiting on a stream that may never move again.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import cast
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from worker.events import Entry, Event, decode_entry, entry_id, read_events
@@ -30,7 +35,7 @@ REPLAY_PAGE = 1000
 @dataclass(eq=False)
 class _Subscriber:
     position: int
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Event | RedisError] = field(default_factory=asyncio.Queue)
 
 
 class Tailer:
@@ -54,15 +59,18 @@ class Tailer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._redis.delete(self._wake)
+        with contextlib.suppress(RedisError):  # it expires on its own if Redis is down now
+            await self._redis.delete(self._wake)
         await self._blocking.aclose()
 
     async def follow(
-        self, response_id: str, after: int = -1, idle_seconds: float | None = None
-    ) -> AsyncIterator[Event | None]:
+        self, response_id: str, after: int = -1, idle_seconds: float | None = None, is_finished: bool = False
+    ) -> AsyncGenerator[Event | None]:
         """Every event with `sequence_number > after`, stored then live, up to the terminal event.
 
-        Yields None after `idle_seconds` without an event (the SSE relay's heartbeat cue).
+        Yields None after `idle_seconds` without an event (the SSE relay's heartbeat cue). Of a
+        response known to be finished, only the stored events: none will come live, so waiting
+        for them (an `after` past the end, or events expiring meanwhile) would never end.
         """
         position = after
         while True:  # the replay, page by page
@@ -74,6 +82,8 @@ class Tailer:
             if len(page) < REPLAY_PAGE:
                 break
             position = page[-1].sequence_number
+        if is_finished:
+            return
         if page:
             position = page[-1].sequence_number
         async for item in self._live(response_id, position, idle_seconds):
@@ -93,6 +103,8 @@ class Tailer:
                 except TimeoutError:
                     yield None
                     continue
+                if isinstance(event, RedisError):
+                    raise RedisConnectionError(f"the live tail lost Redis: {event}") from event
                 yield event
                 if event.is_terminal:
                     return
@@ -114,8 +126,13 @@ class Tailer:
         while True:
             try:
                 await self._read_once()
-            except RedisError:
-                log.exception("tailer: reading streams failed; retrying in 1 s")
+            except RedisError as exc:
+                log.warning(
+                    "tailer: reading streams failed (%r): ending %d live readers; retrying in 1 s",
+                    exc,
+                    sum(len(subscribers) for subscribers in self._subscribers.values()),
+                )
+                self._end_all(exc)
                 await asyncio.sleep(1)
 
     async def _read_once(self) -> None:
@@ -129,6 +146,13 @@ class Tailer:
                 self._wake_position = entries[-1][0].decode()
                 continue
             self._deliver(name, entries)
+
+    def _end_all(self, exc: RedisError) -> None:
+        """End every live subscriber with `exc`, after the events already delivered to it."""
+        for subscribers in self._subscribers.values():
+            for subscriber in subscribers:
+                subscriber.queue.put_nowait(exc)
+        self._subscribers.clear()
 
     def _deliver(self, key: str, entries: list[Entry]) -> None:
         subscribers = self._subscribers.get(key)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from tests.conftest import KEY_A, make_sdk
+from tests.conftest import KEY_A
 from tests.support.faults import check_ended, wait_until_ended
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
@@ -20,15 +19,6 @@ from tests.support.upstream_process import ScriptedUpstream
 pytestmark = pytest.mark.integration
 
 SLOW = {"text": " ".join(f"w{n}" for n in range(150)), "delay": 0.4}  # a minute: cancels come first
-
-
-@pytest.fixture(scope="module")
-def second_api(stack: Stack) -> Iterator[openai.OpenAI]:
-    """The SDK against a second API process on the same Redis and Postgres."""
-    url = stack.start_api("api-cancel")
-    with make_sdk(url, KEY_A) as sdk:
-        yield sdk
-    stack.stop("api-cancel")
 
 
 def _cancel(sdk: openai.OpenAI, response_id: str) -> str:

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import KEY_A, make_sdk
 from tests.support.schema import validate_event, validate_response
 from tests.support.stack import Stack
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import ValidatingTransport
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def second_api(stack: Stack) -> Iterator[openai.OpenAI]:
-    """The SDK against a second API process on the same Redis and Postgres."""
-    url = stack.start_api("api-2")
-    with make_sdk(url, KEY_A) as client:
-        yield client
-    stack.stop("api-2")
 
 
 def _wire(events: list[object]) -> list[dict[str, object]]:
@@ -127,3 +116,13 @@ def test_a_queued_response_streams_heartbeats_until_it_ends(
         "response.failed",
     ]
     assert not any(line.startswith("id:") for line in frames)  # PROTOCOL.md §5.3
+
+
+def test_starting_after_the_end_of_a_finished_response_is_an_empty_stream(
+    client: openai.OpenAI, model: str
+) -> None:
+    """A finished response asked for events after its last one answers an empty stream at once (PROTOCOL.md §6.3)."""
+    events = list(client.responses.create(model=model, input="x", stream=True))
+    response_id, last = events[0].response.id, events[-1].sequence_number  # type: ignore[union-attr]
+    for after in (last, last + 5):
+        assert list(client.responses.retrieve(response_id, stream=True, starting_after=after)) == []

@@ -271,7 +271,13 @@ class _SseAnswer:
         for problem in _event_problems(event):
             self._fail(f"{label}: {problem}")
         number = event.get("sequence_number")
-        if self.last_sequence_number is not None and number != self.last_sequence_number + 1:
+        # api/sse.py: an `error` that ends an interrupted stream repeats the last number (the cursor).
+        is_repeat = event.get("type") == "error" and number == self.last_sequence_number
+        if (
+            self.last_sequence_number is not None
+            and number != self.last_sequence_number + 1
+            and not is_repeat
+        ):
             self._fail(f"{label}: sequence_number {number} follows {self.last_sequence_number}")
         if isinstance(number, int):
             self.last_sequence_number = number

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -45,74 +46,78 @@ def faults(backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stac
     running.stop_all()
 
 
-@pytest.fixture
-def sdk(faults: Stack) -> Iterator[openai.OpenAI]:
-    with make_sdk(faults.url, "unused") as client:
-        yield client
+@dataclass
+class Lab:
+    """What a fault test drives: the module's stack, the SDK, the upstream, Redis, its own workers."""
+
+    stack: Stack
+    sdk: openai.OpenAI
+    upstream: ScriptedUpstream
+    redis: Redis
+    model: str
+    workers: list[str] = field(default_factory=list)
+
+    def start(self, name: str) -> str:
+        """Start a worker and wait until it takes jobs (and a SIGTERM would drain it); its RQ name."""
+        self.stack.start_worker(name)
+        self.workers.append(name)
+        wait_for(lambda: "ready: taking responses" in self.stack.log(name), timeout=60, what=f"{name} ready")
+        return worker_name(self.redis, self.stack, name)
+
+    def create(self, model: str, count: int, sdk: openai.OpenAI | None = None) -> list[str]:
+        client = sdk or self.sdk
+        return [client.responses.create(model=model, input="x", background=True).id for _ in range(count)]
+
+    def held_by(self, response_ids: list[str], holder: str) -> None:
+        """Wait until `holder` holds every one of the responses."""
+        wait_for(
+            lambda: set(lease_holders(self.redis, response_ids).values()) == {holder},
+            timeout=60,
+            what=f"{len(response_ids)} leases",
+        )
+
+    def streamed(self, response_ids: list[str]) -> None:
+        """Wait until every one of the responses has streamed output to clients."""
+        wait_for(lambda: all(_has_output(self.redis, rid) for rid in response_ids), timeout=30, what="output")
 
 
 @pytest.fixture
-def redis(backing: Servers) -> Iterator[Redis]:
-    with Redis.from_url(backing.redis_url) as connection:
-        yield connection
-
-
-@pytest.fixture
-def workers(faults: Stack) -> Iterator[list[str]]:
-    """The names of the worker processes a test started; all stopped after it."""
-    started: list[str] = []
-    yield started
-    for name in started:
-        if name in faults.processes:
-            faults.stop(name, KILL)
-
-
-def _start(faults: Stack, workers: list[str], name: str) -> str:
-    """Start a worker and wait until it takes jobs (and a SIGTERM would drain it)."""
-    faults.start_worker(name)
-    workers.append(name)
-    wait_for(lambda: "ready: taking responses" in faults.log(name), timeout=60, what=f"{name} to be ready")
-    return name
-
-
-def _create(sdk: openai.OpenAI, model: str, count: int) -> list[str]:
-    return [sdk.responses.create(model=model, input="x", background=True).id for _ in range(count)]
+def lab(faults: Stack, upstream: ScriptedUpstream, backing: Servers, model: str) -> Iterator[Lab]:
+    with make_sdk(faults.url, "unused") as sdk, Redis.from_url(backing.redis_url) as redis:
+        running = Lab(faults, sdk, upstream, redis, model)
+        yield running
+        for name in running.workers:
+            if name in faults.processes:
+                faults.stop(name, KILL)
 
 
 def _has_output(redis: Redis, response_id: str) -> bool:
     return any(fields[b"t"].endswith(b".delta") for _, fields in redis.xrange(events_key(response_id)))
 
 
-def test_kill_9_with_100_responses_in_flight(
-    faults: Stack,
-    sdk: openai.OpenAI,
-    upstream: ScriptedUpstream,
-    redis: Redis,
-    workers: list[str],
-    model: str,
-) -> None:
+def test_kill_9_with_100_responses_in_flight(lab: Lab) -> None:
     """A worker killed with 100 responses: those with no output yet run again to completion, those whose
     output reached clients fail saying the worker stopped; none stays live, every stream stays whole."""
-    quiet, talking = f"{model}-quiet", f"{model}-talking"
+    quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
     # The first run of each quiet response never gets an answer; the second does at once.
-    upstream.script(
+    lab.upstream.script(
         quiet, {"times": 50, "first_delay": 300, "text": "never", "then": {"text": "quiet answer"}}
     )
-    upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(100)), "delay": 0.1})
-    doomed = worker_name(redis, faults, _start(faults, workers, "doomed"))
-    quiet_ids, talking_ids = _create(sdk, quiet, 50), _create(sdk, talking, 50)
+    lab.upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(100)), "delay": 0.1})
+    doomed = lab.start("doomed")
+    quiet_ids, talking_ids = lab.create(quiet, 50), lab.create(talking, 50)
     every = quiet_ids + talking_ids
-    wait_for(lambda: set(lease_holders(redis, every).values()) == {doomed}, timeout=60, what="100 leases")
-    wait_for(lambda: all(_has_output(redis, rid) for rid in talking_ids), timeout=30, what="output")
-    _start(faults, workers, "survivor")
+    lab.held_by(every, doomed)
+    lab.streamed(talking_ids)
+    lab.start("survivor")
     killed_at = time.monotonic()
-    signal_process(faults, "doomed", KILL)
-    statuses = wait_until_ended(sdk, every, timeout=120)
+    signal_process(lab.stack, "doomed", KILL)
+    statuses = wait_until_ended(lab.sdk, every, timeout=120)
     print(f"kill -9: 100 responses ended {time.monotonic() - killed_at:.1f} s after the kill")
     assert {statuses[rid] for rid in quiet_ids} == {"completed"}
     assert {statuses[rid] for rid in talking_ids} == {"failed"}
     for response_id in every:
-        stored = check_ended(sdk, response_id)
+        stored = check_ended(lab.sdk, response_id)
         if response_id in talking_ids:
             assert stored["error"] == {"code": "server_error", "message": WORKER_LOST}
             # What had been streamed is kept, closed as incomplete: the stream and the record agree.
@@ -121,120 +126,94 @@ def test_kill_9_with_100_responses_in_flight(
             assert " ".join(f"w{n}" for n in range(100)).startswith(message["content"][0]["text"])
         else:
             assert stored["output"][0]["content"][0]["text"] == "quiet answer"
-    assert len(upstream.requests(quiet)) == 100  # each quiet response was asked for exactly twice
+    assert len(lab.upstream.requests(quiet)) == 100  # each quiet response was asked for exactly twice
 
 
-def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(
-    faults: Stack,
-    sdk: openai.OpenAI,
-    upstream: ScriptedUpstream,
-    redis: Redis,
-    workers: list[str],
-    model: str,
-) -> None:
+def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab: Lab) -> None:
     """SIGSTOP past the lease, takeover, SIGCONT: the zombie's later output is fenced out everywhere."""
-    quiet, talking = f"{model}-quiet", f"{model}-talking"
-    upstream.script(quiet, {"times": 10, "first_delay": 20, "text": "late", "then": {"text": "quiet answer"}})
-    upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(60)), "delay": 0.1})
-    frozen = worker_name(redis, faults, _start(faults, workers, "frozen"))
-    quiet_ids, talking_ids = _create(sdk, quiet, 10), _create(sdk, talking, 10)
+    quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
+    lab.upstream.script(
+        quiet, {"times": 10, "first_delay": 20, "text": "late", "then": {"text": "quiet answer"}}
+    )
+    lab.upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(60)), "delay": 0.1})
+    frozen = lab.start("frozen")
+    quiet_ids, talking_ids = lab.create(quiet, 10), lab.create(talking, 10)
     every = quiet_ids + talking_ids
-    wait_for(lambda: set(lease_holders(redis, every).values()) == {frozen}, timeout=60, what="20 leases")
-    wait_for(lambda: all(_has_output(redis, rid) for rid in talking_ids), timeout=30, what="output")
-    signal_process(faults, "frozen", STOP)
+    lab.held_by(every, frozen)
+    lab.streamed(talking_ids)
+    signal_process(lab.stack, "frozen", STOP)
     try:
-        rescuer = worker_name(redis, faults, _start(faults, workers, "rescuer"))
-        statuses = wait_until_ended(sdk, every, timeout=120)
+        lab.start("rescuer")
+        statuses = wait_until_ended(lab.sdk, every, timeout=120)
     finally:
-        signal_process(faults, "frozen", CONT)
-    ended = {rid: check_ended(sdk, rid) for rid in every}
+        signal_process(lab.stack, "frozen", CONT)
+    ended = {rid: check_ended(lab.sdk, rid) for rid in every}
     # The zombie wakes with upstream streams still open; it must notice its leases are gone.
-    wait_for(lambda: "lease lost" in faults.log("frozen"), timeout=30, what="the zombie to notice")
+    wait_for(lambda: "lease lost" in lab.stack.log("frozen"), timeout=30, what="the zombie to notice")
     for response_id in every:
-        assert check_ended(sdk, response_id) == ended[response_id]  # unchanged after the zombie woke
+        assert check_ended(lab.sdk, response_id) == ended[response_id]  # unchanged after the zombie woke
     assert {statuses[rid] for rid in quiet_ids} == {"completed"}
     assert {statuses[rid] for rid in talking_ids} == {"failed"}
-    fresh = _create(sdk, quiet, 1)  # the woken worker (or the rescuer) still serves new work
-    assert wait_until_ended(sdk, fresh, timeout=60) == {fresh[0]: "completed"}
-    assert rescuer
+    fresh = lab.create(quiet, 1)  # the woken worker (or the rescuer) still serves new work
+    assert wait_until_ended(lab.sdk, fresh, timeout=60) == {fresh[0]: "completed"}
 
 
-def test_rolling_restart_fails_no_response(
-    faults: Stack,
-    sdk: openai.OpenAI,
-    upstream: ScriptedUpstream,
-    redis: Redis,
-    workers: list[str],
-    model: str,
-) -> None:
+def test_rolling_restart_fails_no_response(lab: Lab) -> None:
     """SIGTERM one worker after another under load: each drains what it runs, and every response completes."""
-    upstream.script(model, {"text": " ".join(f"w{n}" for n in range(20)), "delay": 0.1})
-    _start(faults, workers, "old-1")
-    _start(faults, workers, "old-2")
-    created = _create(sdk, model, 30)
-    wait_for(
-        lambda: sum(1 for h in lease_holders(redis, created).values() if h) >= 10, timeout=60, what="load"
-    )
-    _start(faults, workers, "new-1")
-    assert faults.stop("old-1") == 0
-    created += _create(sdk, model, 10)
-    _start(faults, workers, "new-2")
-    assert faults.stop("old-2") == 0
-    created += _create(sdk, model, 10)
-    statuses = wait_until_ended(sdk, created, timeout=120)
+    lab.upstream.script(lab.model, {"text": " ".join(f"w{n}" for n in range(20)), "delay": 0.1})
+    lab.start("old-1")
+    lab.start("old-2")
+    created = lab.create(lab.model, 30)
+    leased = lambda: sum(1 for holder in lease_holders(lab.redis, created).values() if holder) >= 10  # noqa: E731
+    wait_for(leased, timeout=60, what="load")
+    lab.start("new-1")
+    assert lab.stack.stop("old-1") == 0
+    created += lab.create(lab.model, 10)
+    lab.start("new-2")
+    assert lab.stack.stop("old-2") == 0
+    created += lab.create(lab.model, 10)
+    statuses = wait_until_ended(lab.sdk, created, timeout=120)
     assert set(statuses.values()) == {"completed"}
     for response_id in created:
-        check_ended(sdk, response_id)
+        check_ended(lab.sdk, response_id)
 
 
-def test_a_drain_deadline_requeues_what_is_left(
-    faults: Stack,
-    sdk: openai.OpenAI,
-    upstream: ScriptedUpstream,
-    redis: Redis,
-    workers: list[str],
-    model: str,
-) -> None:
+def test_a_drain_deadline_requeues_what_is_left(lab: Lab) -> None:
     """Past the drain deadline a stopping worker puts responses without output back in the queue; another runs them."""
-    upstream.script(model, {"times": 5, "first_delay": 300, "text": "never", "then": {"text": "late answer"}})
-    faults.env["RESPOOL_DRAIN_SECONDS"] = "1"
+    lab.upstream.script(
+        lab.model, {"times": 5, "first_delay": 300, "text": "never", "then": {"text": "late answer"}}
+    )
+    lab.stack.env["RESPOOL_DRAIN_SECONDS"] = "1"
     try:
-        stopping = worker_name(redis, faults, _start(faults, workers, "stopping"))
+        stopping = lab.start("stopping")
     finally:
-        faults.env["RESPOOL_DRAIN_SECONDS"] = "60"
-    created = _create(sdk, model, 5)
-    wait_for(lambda: set(lease_holders(redis, created).values()) == {stopping}, timeout=60, what="5 leases")
-    assert faults.stop("stopping") == 0
-    assert "requeued for another worker" in faults.log("stopping")
-    _start(faults, workers, "next")
-    statuses = wait_until_ended(sdk, created, timeout=60)
+        lab.stack.env["RESPOOL_DRAIN_SECONDS"] = "60"
+    created = lab.create(lab.model, 5)
+    lab.held_by(created, stopping)
+    assert lab.stack.stop("stopping") == 0
+    assert "requeued for another worker" in lab.stack.log("stopping")
+    lab.start("next")
+    statuses = wait_until_ended(lab.sdk, created, timeout=60)
     assert set(statuses.values()) == {"completed"}
     for response_id in created:
-        check_ended(sdk, response_id)
+        check_ended(lab.sdk, response_id)
 
 
-def test_a_response_whose_workers_keep_dying_is_given_up(
-    faults: Stack,
-    sdk: openai.OpenAI,
-    upstream: ScriptedUpstream,
-    redis: Redis,
-    workers: list[str],
-    model: str,
-) -> None:
+def test_a_response_whose_workers_keep_dying_is_given_up(lab: Lab) -> None:
     """After max_attempts workers died under it, the sweep ends the response failed instead of leaving it live."""
-    upstream.script(model, {"first_delay": 300, "text": "never"})
-    faults.env["RESPOOL_MAX_ATTEMPTS"] = "1"  # read where the job is enqueued: by an API of its own
+    lab.upstream.script(lab.model, {"first_delay": 300, "text": "never"})
+    lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "1"  # read where the job is enqueued: by an API of its own
     try:
-        url = faults.start_api("api-one-attempt")
+        url = lab.stack.start_api("api-one-attempt")
     finally:
-        faults.env["RESPOOL_MAX_ATTEMPTS"] = "3"
-    workers.append("api-one-attempt")
+        lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "3"
+    lab.workers.append("api-one-attempt")
     with make_sdk(url, "unused") as once:
-        created = _create(once, model, 1)
-    victim = worker_name(redis, faults, _start(faults, workers, "victim"))
-    wait_for(lambda: lease_holders(redis, created)[created[0]] == victim, timeout=60, what="the lease")
-    signal_process(faults, "victim", KILL)
-    _start(faults, workers, "sweeper")
-    assert wait_until_ended(sdk, created, timeout=90) == {created[0]: "failed"}
-    stored = check_ended(sdk, created[0])
+        created = lab.create(lab.model, 1, once)
+    victim = lab.start("victim")
+    lab.held_by(created, victim)
+    signal_process(lab.stack, "victim", KILL)
+    lab.start("sweeper")
+    assert wait_until_ended(lab.sdk, created, timeout=90) == {created[0]: "failed"}
+    stored = check_ended(lab.sdk, created[0])
     assert stored["error"]["message"] == GIVEN_UP.format(attempts=1)
