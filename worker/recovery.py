@@ -69,12 +69,16 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
     if not unleased:
         return 0
     statuses = await asyncio.to_thread(job_statuses, unleased)
+    log.debug("sweep: %d live, %d unleased: %s", len(candidates), len(unleased), statuses)
     ended = 0
     for response_id in unleased:
         status = statuses.get(response_id)
         if status in _HELD:
             continue
-        message = LOST_JOB if status is None else GIVEN_UP.format(attempts=candidates[response_id])
+        # A job RQ has no record of, or that "finished" with its row still live (Redis lost the
+        # response's keys under it), was lost; one RQ failed, stopped or cancelled was given up.
+        is_lost = status is None or status is JobStatus.FINISHED
+        message = LOST_JOB if is_lost else GIVEN_UP.format(attempts=candidates[response_id])
         if await end_response(rt, response_id, message):
             log.warning("response %s: ended failed, its job being %s", response_id, status or "lost")
             ended += 1

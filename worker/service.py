@@ -184,6 +184,11 @@ class ResponseService:
                 "The event stream of this response has expired; retrieve it without stream=true.",
                 param="stream",
             )
+        if is_finished and last is not None and not last.is_terminal:
+            # Postgres has the outcome but the stream not its end: its writer is about to append it,
+            # or died first (an outage between the two). With nobody holding it, end it from Postgres.
+            async with _redis():
+                await self._end_stream(response_id, stored.response)
         return is_finished
 
     async def follow(

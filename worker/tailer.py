@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from worker.events import Entry, Event, decode_entry, entry_id, read_events
+from worker.events import Entry, Event, decode_entry, entry_id, last_event, read_events
 from worker.keys import events_key, wake_key
 
 log = logging.getLogger("respool.tailer")
@@ -41,10 +42,14 @@ class _Subscriber:
 class Tailer:
     """Relays live events of many responses to many readers over one blocking connection."""
 
-    def __init__(self, redis: Redis, blocking: Redis, block_ms: int = 10_000) -> None:
+    def __init__(
+        self, redis: Redis, blocking: Redis, block_ms: int = 10_000, finishing_seconds: float = 10.0
+    ) -> None:
         self._redis = redis  # the process's pool: replays and wake-ups
         self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
         self._block_ms = block_ms
+        # How long a finished response's terminal event may still be on its way (it follows the commit).
+        self._finishing_seconds = finishing_seconds
         self._wake = wake_key(uuid.uuid4().hex)
         self._wake_position = "0-0"
         self._subscribers: dict[str, set[_Subscriber]] = {}
@@ -69,8 +74,9 @@ class Tailer:
         """Every event with `sequence_number > after`, stored then live, up to the terminal event.
 
         Yields None after `idle_seconds` without an event (the SSE relay's heartbeat cue). Of a
-        response known to be finished, only the stored events: none will come live, so waiting
-        for them (an `after` past the end, or events expiring meanwhile) would never end.
+        response known to be finished, the stored events, and only if its stream lacks the terminal
+        event (Postgres commits first, DESIGN.md §2.3), what comes live within `finishing_seconds`:
+        an `after` past the end is an empty stream, and a stream that expired never hangs.
         """
         position = after
         while True:  # the replay, page by page
@@ -82,25 +88,35 @@ class Tailer:
             if len(page) < REPLAY_PAGE:
                 break
             position = page[-1].sequence_number
+        until = None
         if is_finished:
-            return
+            last = await last_event(self._redis, response_id)
+            if last is None or last.is_terminal:
+                return
+            until = asyncio.get_running_loop().time() + self._finishing_seconds
         if page:
             position = page[-1].sequence_number
-        async for item in self._live(response_id, position, idle_seconds):
+        async for item in self._live(response_id, position, idle_seconds, until):
             yield item
 
     async def _live(
-        self, response_id: str, position: int, idle_seconds: float | None
+        self, response_id: str, position: int, idle_seconds: float | None, until: float | None = None
     ) -> AsyncIterator[Event | None]:
         key = events_key(response_id)
         subscriber = _Subscriber(position)
         self._subscribers.setdefault(key, set()).add(subscriber)
         await self._poke()
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                timeout = idle_seconds
+                if until is not None:
+                    timeout = min(timeout or math.inf, max(0.0, until - loop.time()))
                 try:
-                    event = await asyncio.wait_for(subscriber.queue.get(), idle_seconds)
+                    event = await asyncio.wait_for(subscriber.queue.get(), timeout)
                 except TimeoutError:
+                    if until is not None and loop.time() >= until:
+                        return
                     yield None
                     continue
                 if isinstance(event, RedisError):

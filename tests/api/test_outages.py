@@ -240,11 +240,6 @@ class TestPostgresDown:
         assert probe(faulty, "/readyz") == 200
         assert_recovered(faulty, sdk, scene)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="worker/runner.py: a final commit that meets a Postgres outage fails the attempt, RQ "
-        "spends every retry at once while Postgres is still down, and the sweep ends the response failed",
-    )
     def test_a_response_that_finished_while_down_completes(self, sdk: openai.OpenAI, scene: Scene) -> None:
         """A response that finished generating while Postgres was down is recorded completed once it is back."""
         assert settled(sdk, scene.in_flight[0]).status == "completed"

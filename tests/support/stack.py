@@ -125,7 +125,7 @@ class Stack:
         with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "api", *args],
-                env=self.env,
+                env={**self.env, "PYTHONUNBUFFERED": "1"},  # its log survives a kill -9
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,

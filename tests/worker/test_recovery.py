@@ -29,7 +29,8 @@ from worker.keys import events_key
 from worker.recovery import GIVEN_UP
 from worker.runner import WORKER_LOST
 
-pytestmark = pytest.mark.integration
+# Each test starts and kills several processes: on a loaded 2-core machine that takes a while.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
