@@ -33,8 +33,8 @@ _HELD = frozenset(
 
 LOST_JOB = "respool lost this response's job (its queue data was lost) before it finished. Retry the request."
 GIVEN_UP = (
-    "The worker running this response stopped before it finished, {attempts} time(s) in all; "
-    "respool gave it up. Retry the request."
+    "The worker running this response stopped before it finished, each time respool ran it "
+    "(RESPOOL_MAX_ATTEMPTS); it was given up. Retry the request."
 )
 
 JobStatuses = Callable[[list[str]], dict[str, JobStatus | None]]
@@ -78,7 +78,7 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
         # A job RQ has no record of, or that "finished" with its row still live (Redis lost the
         # response's keys under it), was lost; one RQ failed, stopped or cancelled was given up.
         is_lost = status is None or status is JobStatus.FINISHED
-        message = LOST_JOB if is_lost else GIVEN_UP.format(attempts=candidates[response_id])
+        message = LOST_JOB if is_lost else GIVEN_UP
         if await end_response(rt, response_id, message):
             log.warning("response %s: ended failed, its job being %s", response_id, status or "lost")
             ended += 1

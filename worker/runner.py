@@ -140,32 +140,31 @@ class ResponseWriter:
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
         """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
-        encoded: list[Event] = []
-        for event in events:
-            encoded.append(encode(event, self.next_sequence))
-            self.next_sequence += 1
+        encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded)
+        # Only once they landed: a writer that goes on after a failed append must leave no gap.
+        self.next_sequence += len(encoded)
         if result is AppendResult.FENCED:
             raise FencedOut(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:
             raise CancelRequested(self.lease.response_id)
 
     async def _append(self, encoded: list[Event]) -> AppendResult:
-        deadline, delay, is_retry = time.monotonic() + self.patience, 0.1, False
+        deadline, delay = time.monotonic() + self.patience, 0.1
         while True:
             try:
                 return await self._log.append(self.lease, encoded)
             except RedisResponseError as exc:
-                # Explicit entry ids make a repeat fail (DESIGN.md §3): on a retry that means the
-                # first try was written and only its reply was lost.
-                if is_retry and "equal or smaller" in str(exc):
+                # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
+                # first, so only we can have written these numbers: a try whose reply was lost (ours,
+                # or the client's own resend after a dropped connection) got through.
+                if "equal or smaller" in str(exc):
                     return AppendResult.OK
                 raise
             except (RedisConnectionError, RedisTimeoutError):
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning("response %s: Redis unreachable; retrying an append", self.lease.response_id)
-            is_retry = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -16,7 +16,7 @@ from tests.support.faults import check_ended, wait_until_ended
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 SLOW = {"text": " ".join(f"w{n}" for n in range(150)), "delay": 0.4}  # a minute: cancels come first
 

@@ -30,7 +30,7 @@ from tests.support.stack import Stack, wait_for
 from worker.keys import events_key
 from worker.store import async_url
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 CLIENT_TIMEOUT = 10.0  # a hang shows up as openai.APITimeoutError
 STREAM_TIMEOUT = 60.0  # for the readers left open across an outage: a hang outlives every deadline below

@@ -22,7 +22,7 @@ from tests.support.stack import Servers, Stack
 from tests.support.upstream_frames import Json
 from tests.support.upstream_process import ScriptedUpstream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 RETRIES = 3
 TERMINAL_TYPES = {"response.completed", "response.failed", "response.incomplete"}

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import _env, make_sdk
 from tests.support.stack import Servers, Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 STREAM_TTL_SECONDS = 1
 RETENTION_SECONDS = 12
