@@ -20,6 +20,7 @@ from starlette.responses import Response
 from worker.errors import (
     InvalidRequestError,
     NotFoundError,
+    OverloadedError,
     RespoolError,
     UnavailableAfterCommitError,
     UnavailableError,
@@ -36,6 +37,8 @@ def error_response(error: RespoolError, retry_after_seconds: int | None = None) 
     headers = {}
     if isinstance(error, UnavailableError):
         headers["retry-after"] = str(retry_after_seconds or error.retry_after_seconds)
+    if isinstance(error, OverloadedError):
+        headers["retry-after"] = str(error.retry_after_seconds)
     if isinstance(error, UnavailableAfterCommitError):
         headers["x-should-retry"] = "false"
     return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)

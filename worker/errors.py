@@ -7,6 +7,7 @@
     │   └── PreviousResponseNotFoundError  400 code previous_response_not_found
     ├── AuthenticationError           401
     ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
+    ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
     └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
         └── UnavailableAfterCommitError   503, never retried: the create was already recorded
 
@@ -84,6 +85,16 @@ class ModelNotFoundError(NotFoundError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist or is not routed.", param="model")
+
+
+class OverloadedError(RespoolError):
+    """More responses wait in the queue than the configured limit: come back later (PROTOCOL.md §5.5:
+    429 with `retry-after`, which the SDK honours). Raised before anything is recorded."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+    retry_after_seconds = 5
 
 
 class UnavailableError(RespoolError):

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from worker import store
 from worker.errors import (
     InvalidRequestError,
+    OverloadedError,
     PreviousResponseNotFoundError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
@@ -102,6 +103,7 @@ class ResponseService:
         request = parse_create_request(body)
         assert request.model is not None and request.input is not None
         route = self.routes.resolve(request.model)
+        await self._check_queue_depth()
         own_items = normalize_input(request.input)
         response_id = new_id("resp")
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
@@ -114,6 +116,18 @@ class ResponseService:
             await store.insert_response(conn, _row(owner, request, response, conversation), own_items)
         await self._enqueue(request, response)
         return Created(response, request)
+
+    async def _check_queue_depth(self) -> None:
+        """Refuse new work while the queue is over its limit, before anything is recorded."""
+        limit = self.settings.max_queue_depth
+        if limit <= 0:
+            return
+        async with _redis():
+            depth = int(await self.redis.llen(self.queue.key))
+        if depth >= limit:
+            raise OverloadedError(
+                f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
+            )
 
     async def _history(
         self, conn: AsyncConnection, owner: str, previous_id: str | None

@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     maintenance_seconds: int = 2
     cancel_poll_seconds: float = 0.25
     drain_seconds: float = 30.0
+    # Back-pressure: above this many responses waiting in the queue, create answers 429 (0: no limit).
+    max_queue_depth: int = 0
     # Runs of one response before it is given up (a worker dying under it each time).
     max_attempts: int = 3
     # How long a worker holding a response waits for an unreachable Postgres before giving up on it.
