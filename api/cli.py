@@ -30,10 +30,22 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="API address (RESPOOL_HOST, default 127.0.0.1)")
     up.add_argument("--port", type=int, help="API port (RESPOOL_PORT, default 8000)")
     up.add_argument("--workers", type=int, help="worker processes (RESPOOL_WORKERS, default 1)")
+    up.add_argument(
+        "--api-replicas",
+        type=int,
+        dest="api_replicas",
+        help="API processes on the port (RESPOOL_API_REPLICAS, default 1)",
+    )
     commands.add_parser("migrate", help="bring the Postgres schema to the newest revision")
     api = commands.add_parser("api", help="run one API process")
     api.add_argument("--host", help="address (RESPOOL_HOST)")
     api.add_argument("--port", type=int, help="port (RESPOOL_PORT)")
+    api.add_argument(
+        "--replicas",
+        type=int,
+        dest="api_replicas",
+        help="processes serving the port (RESPOOL_API_REPLICAS, default 1)",
+    )
     worker = commands.add_parser("worker", help="run one worker process")
     worker.add_argument(
         "--concurrency", type=int, help="responses held at once (RESPOOL_CONCURRENCY, default 256)"
@@ -63,7 +75,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         from api.app import create_app
 
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        if settings.api_replicas > 1:
+            # uvicorn's manager shares the socket among processes that each build the app from the
+            # environment, each with its own service and tailer.
+            uvicorn.run(
+                "api.app:create_app",
+                factory=True,
+                workers=settings.api_replicas,
+                host=settings.host,
+                port=settings.port,
+                log_level="info",
+            )
+        else:
+            uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     elif args.command == "worker":
         from worker.process import run_worker
 
@@ -104,7 +128,8 @@ def _run_processes(settings: Settings, supervisor: Any) -> int:
         "RESPOOL_DATABASE_URL": settings.database_url,
     }
     command = [sys.executable, "-m", "api"]
-    supervisor.spawn("api", [*command, "api", "--host", settings.host, "--port", str(settings.port)], env)
+    api = [*command, "api", "--host", settings.host, "--port", str(settings.port)]
+    supervisor.spawn("api", [*api, "--replicas", str(settings.api_replicas)], env)
     for index in range(settings.workers):
         supervisor.spawn(f"worker-{index + 1}", [*command, "worker"], env)
     _banner(settings)
@@ -116,7 +141,8 @@ def _banner(settings: Settings) -> None:
     url = f"http://{settings.host}:{settings.port}"
     key = "<one of RESPOOL_API_KEYS>" if settings.api_keys else "unused"
     print(
-        f"\nrespool is up: the API listens on {url}/v1, with {settings.workers} worker process(es).\n"
+        f"\nrespool is up: the API listens on {url}/v1 ({settings.api_replicas} process(es)), with "
+        f"{settings.workers} worker process(es).\n"
         f"Data lives in {settings.data_dir.resolve()}. Press Ctrl-C to stop everything.\n\n"
         f"Try it with the openai SDK (the built-in 'synthetic' model needs no upstream):\n\n"
         + EXAMPLE.format(url=url, key=key),

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     database_connect_timeout_seconds: int = Field(default=5, ge=1)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
 
+    # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
+    api_replicas: int = 1
+
     # Worker.
     workers: int = 1
     concurrency: int = 256

@@ -36,11 +36,18 @@ def _processes_using(path: Path) -> list[int]:
     return found
 
 
+def _api_replicas(path: Path) -> list[int]:
+    """The API processes uvicorn's manager spawned for `respool up --api-replicas`."""
+    return [
+        pid for pid in _processes_using(path) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
 def _up(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("RESPOOL_")}
     env["RESPOOL_DATA_DIR"] = str(data_dir)
     return subprocess.Popen(
-        [RESPOOL, "up", "--port", str(port), "--workers", "2"],
+        [RESPOOL, "up", "--port", str(port), "--workers", "2", "--api-replicas", "2"],
         env=env,
         cwd=data_dir,
         stdout=subprocess.PIPE,
@@ -63,13 +70,15 @@ def _interrupt(process: subprocess.Popen[bytes]) -> str:
 
 
 def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """`respool up` serves the SDK with no upstream, Ctrl-C leaves no process, and a restart keeps the data."""
+    """`respool up` (two API processes, two workers) serves the SDK with no upstream, Ctrl-C leaves no
+    process, and a restart keeps the data."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = _up(tmp_path, port)
     wait_for(lambda: _listening(url, process), timeout=90, what="respool up to listen")
     client = make_sdk(url, "unused")
     request.addfinalizer(client.close)
+    assert len(_api_replicas(tmp_path)) == 2
     created = client.responses.create(model="synthetic", input="keep me", background=True)
     done = wait_for(lambda: (r := client.responses.retrieve(created.id)).status == "completed" and r)
     output = _interrupt(process)
