@@ -8,9 +8,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.responses import ORJSONResponse
+from starlette.responses import Response
 
 from api import errors
 from api.auth import Keys
+from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
 from api.routes import router
 from worker.service import ResponseService
 from worker.settings import Settings
@@ -41,7 +43,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
     app.state.keys = keys
     errors.install(app, settings.retry_after_seconds)
+    metrics = ApiMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        """This process's Prometheus metrics, with the queue's depth as of now."""
+        service: ResponseService = app.state.service
+        try:
+            metrics.queue_depth.set(await service.queue_depth())
+        except Exception:  # Redis unreachable: the rest is still worth scraping
+            log.warning("metrics: the queue depth could not be read")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -117,13 +117,17 @@ class ResponseService:
         await self._enqueue(request, response)
         return Created(response, request)
 
+    async def queue_depth(self) -> int:
+        """How many responses wait in the queue for a worker."""
+        async with _redis():
+            return int(await self.redis.llen(self.queue.key))
+
     async def _check_queue_depth(self) -> None:
         """Refuse new work while the queue is over its limit, before anything is recorded."""
         limit = self.settings.max_queue_depth
         if limit <= 0:
             return
-        async with _redis():
-            depth = int(await self.redis.llen(self.queue.key))
+        depth = await self.queue_depth()
         if depth >= limit:
             raise OverloadedError(
                 f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
