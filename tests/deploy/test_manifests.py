@@ -1,0 +1,244 @@
+"""The deployment files (deploy/, docker-compose.yml, .dockerignore): the offline validators accept
+them, and they keep what a user relies on — workers that scale and drain, probes and health checks
+on paths the API serves, every process given its servers and a command `respool` knows.
+
+Nothing here needs Docker, a cluster or the network: hadolint, check-jsonschema (with its vendored
+compose-spec) and kubernetes-validate (with its bundled schemas) run from the project's venv.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from api.app import create_app
+from api.cli import _parser
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+COMPOSE = ROOT / "docker-compose.yml"
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+KUSTOMIZATION = KUBERNETES / "kustomization.yaml"
+MANIFESTS = sorted(path for path in KUBERNETES.glob("*.yaml") if path != KUSTOMIZATION)
+# The validators are console scripts of the venv running the tests.
+BIN = Path(sys.executable).parent
+# An older release that managed clusters still serve, and the newest the validator ships.
+KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]
+RESPOOL_SERVICES = ["migrate", "api", "worker"]
+
+
+def _run(*command: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(part) for part in command], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _compose() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return document
+
+
+def _kubernetes() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every resource of the manifests, by (kind, name)."""
+    resources = {}
+    for path in MANIFESTS:
+        for resource in yaml.safe_load_all(path.read_text()):
+            resources[resource["kind"], resource["metadata"]["name"]] = resource
+    return resources
+
+
+def _pod_specs() -> Iterator[tuple[str, dict[str, Any]]]:
+    for (kind, name), resource in _kubernetes().items():
+        if kind in ("Deployment", "Job"):
+            yield name, resource["spec"]["template"]["spec"]
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", duration)
+    assert parts, f"not a duration: {duration!r}"
+    return sum(float(value) * units[unit] for value, unit in parts)
+
+
+def _drain_seconds(environment: dict[str, Any]) -> float:
+    return float(environment.get("RESPOOL_DRAIN_SECONDS") or Settings.model_fields["drain_seconds"].default)
+
+
+@functools.cache
+def _served_paths() -> frozenset[str]:
+    # create_app connects to nothing until its lifespan starts.
+    return frozenset(getattr(route, "path", "") for route in create_app(Settings()).routes)
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    """hadolint finds nothing in deploy/Dockerfile, not even a style note."""
+    result = _run(BIN / "hadolint", "--no-color", "--failure-threshold", "style", DOCKERFILE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_file_matches_the_compose_spec() -> None:
+    """docker-compose.yml validates against the compose-spec schema."""
+    result = _run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", COMPOSE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_manifests_validate_strictly(version: str) -> None:
+    """Every Kubernetes manifest validates, with no unknown field, against the release's schemas."""
+    result = _run(BIN / "kubernetes-validate", "--strict", "--kubernetes-version", version, *MANIFESTS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed" in result.stdout
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    """`kubectl apply -k deploy/kubernetes` applies every manifest of the directory."""
+    kustomization = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert sorted(kustomization["resources"]) == [path.name for path in MANIFESTS]
+
+
+def test_image_holds_every_package_and_runs_respool_unprivileged() -> None:
+    """The image copies every package the wheel holds, the build context lets them in, and the
+    image runs `respool` as a fixed non-root user."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    dockerfile = DOCKERFILE.read_text()
+    allowed = DOCKERIGNORE.read_text().splitlines()
+    for package in packages:
+        assert re.search(rf"^COPY {package} \./{package}$", dockerfile, re.MULTILINE), package
+        assert f"!{package}/" in allowed, package
+    assert re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE) == [("10001", "10001")]
+    assert '\nENTRYPOINT ["respool"]\n' in dockerfile
+
+
+def test_compose_workers_scale_and_drain() -> None:
+    """`--scale worker=N` works (no container name, no ports) and Docker waits out the drain."""
+    compose = _compose()
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker
+    assert "ports" not in worker
+    assert _seconds(worker["stop_grace_period"]) > _drain_seconds(worker["environment"])
+
+
+def test_compose_api_replicas_sit_behind_one_port() -> None:
+    """Two API replicas publish no port of their own; the proxy publishes 8000 and waits for them."""
+    services = _compose()["services"]
+    assert services["api"]["deploy"]["replicas"] == 2
+    assert "ports" not in services["api"]
+    assert services["proxy"]["ports"] == ["8000:8000"]
+    assert services["proxy"]["depends_on"]["api"]["condition"] == "service_healthy"
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    for directive in ("server api:8000 resolve;", "proxy_buffering off;", "proxy_http_version 1.1;"):
+        assert directive in nginx
+
+
+def test_compose_api_health_check_asks_a_served_path() -> None:
+    """The API's health check asks /healthz, a path the app serves."""
+    test = " ".join(_compose()["services"]["api"]["healthcheck"]["test"])
+    paths = re.findall(r"http://127\.0\.0\.1:8000(/\w+)", test)
+    assert paths == ["/healthz"]
+    assert set(paths) <= _served_paths()
+
+
+def test_compose_gives_every_respool_process_its_servers() -> None:
+    """migrate, api and worker all get RESPOOL_REDIS_URL and RESPOOL_DATABASE_URL, and api and worker
+    start only after the migration succeeded."""
+    services = _compose()["services"]
+    for name in RESPOOL_SERVICES:
+        environment = services[name]["environment"]
+        assert environment["RESPOOL_REDIS_URL"].startswith("redis://redis:6379/"), name
+        assert environment["RESPOOL_DATABASE_URL"].startswith("postgresql://"), name
+        assert environment["RESPOOL_DATABASE_URL"].endswith("@postgres:5432/respool"), name
+    for name in ("api", "worker"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert "--appendonly" in services["redis"]["command"]
+
+
+def test_every_command_is_a_respool_command() -> None:
+    """Each process's command, in compose and in Kubernetes, parses as a `respool` command."""
+    services = _compose()["services"]
+    commands = [services[name]["command"] for name in RESPOOL_SERVICES]
+    for _, spec in _pod_specs():
+        commands += [container["args"] for container in spec["containers"]]
+    assert {command[0] for command in commands} == {"migrate", "api", "worker"}
+    for command in commands:
+        _parser().parse_args(command)
+
+
+def test_every_respool_variable_is_a_setting() -> None:
+    """Every RESPOOL_* variable the files set names a setting (a misspelt one would be ignored)."""
+    known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
+    names = {name for name in _compose()["x-respool"]["environment"] if name.startswith("RESPOOL_")}
+    for (kind, _), resource in _kubernetes().items():
+        if kind in ("ConfigMap", "Secret"):
+            names |= set(resource.get("data") or {}) | set(resource.get("stringData") or {})
+    assert names
+    assert names <= known, names - known
+
+
+def test_kubernetes_release_selector_picks_the_migration_and_its_settings() -> None:
+    """README's first step of a release (component in (config, migrate)) applies the ConfigMap, the
+    Secrets and the migration Job, and nothing that serves or runs responses."""
+    picked = {
+        (kind, name)
+        for (kind, name), resource in _kubernetes().items()
+        if resource["metadata"]["labels"].get("app.kubernetes.io/component") in ("config", "migrate")
+    }
+    assert picked == {
+        ("ConfigMap", "respool"),
+        ("Secret", "respool"),
+        ("Secret", "respool-upstream"),
+        ("Job", "respool-migrate"),
+    }
+    readme = (ROOT / "README.md").read_text()
+    assert "kubectl apply -k deploy/kubernetes -l 'app.kubernetes.io/component in (config,migrate)'" in readme
+
+
+def test_kubernetes_worker_outlives_its_drain() -> None:
+    """The worker pod's grace period outlasts RESPOOL_DRAIN_SECONDS of the ConfigMap."""
+    resources = _kubernetes()
+    drain = _drain_seconds(resources["ConfigMap", "respool"]["data"])
+    spec = resources["Deployment", "respool-worker"]["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] > drain
+
+
+def test_kubernetes_api_probes_ask_served_paths() -> None:
+    """The API's startup, readiness and liveness probes ask /healthz, which the app serves; none
+    gates traffic on /readyz, which would refuse every connection while Redis or Postgres is down."""
+    resources = _kubernetes()
+    (container,) = resources["Deployment", "respool-api"]["spec"]["template"]["spec"]["containers"]
+    probes = ("startupProbe", "readinessProbe", "livenessProbe")
+    assert {container[probe]["httpGet"]["path"] for probe in probes} == {"/healthz"}
+    assert {"/healthz", "/readyz"} <= _served_paths()
+
+
+def test_kubernetes_service_reaches_the_api_pods() -> None:
+    """The respool-api Service selects the API pods and sends traffic to their http port."""
+    resources = _kubernetes()
+    template = resources["Deployment", "respool-api"]["spec"]["template"]
+    service = resources["Service", "respool-api"]["spec"]
+    assert service["selector"].items() <= template["metadata"]["labels"].items()
+    (container,) = template["spec"]["containers"]
+    assert [port["targetPort"] for port in service["ports"]] == [port["name"] for port in container["ports"]]
+
+
+def test_kubernetes_pods_run_unprivileged_without_service_links() -> None:
+    """Every pod runs as the image's non-root user and gets no service-link variables (a Service named
+    `respool` would set RESPOOL_PORT=tcp://..., which respool would read as its port)."""
+    specs = dict(_pod_specs())
+    assert set(specs) == {"respool-api", "respool-worker", "respool-migrate"}
+    for name, spec in specs.items():
+        assert spec["enableServiceLinks"] is False, name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] == 10001, name
