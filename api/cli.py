@@ -131,7 +131,10 @@ def _run_processes(settings: Settings, supervisor: Any) -> int:
     api = [*command, "api", "--host", settings.host, "--port", str(settings.port)]
     supervisor.spawn("api", [*api, "--replicas", str(settings.api_replicas)], env)
     for index in range(settings.workers):
-        supervisor.spawn(f"worker-{index + 1}", [*command, "worker"], env)
+        port = settings.worker_metrics_port + index if settings.worker_metrics_port else 0
+        supervisor.spawn(
+            f"worker-{index + 1}", [*command, "worker"], {**env, "RESPOOL_WORKER_METRICS_PORT": str(port)}
+        )
     _banner(settings)
     code: int = supervisor.wait()
     return code

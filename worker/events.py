@@ -8,6 +8,7 @@ append that is not after the last one: a retried or stale write can never duplic
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, cast
@@ -138,8 +139,9 @@ class EventLog:
     of them (DESIGN.md §7, "natural batching").
     """
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, on_append: Callable[[int], object] | None = None) -> None:
         self._redis = redis
+        self._on_append = on_append  # told how many events each successful append added
         self._script = redis.register_script(_FENCED_APPEND)
         self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
         self._flushing = False
@@ -169,7 +171,10 @@ class EventLog:
                 results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
-        for (_, _, future), result in zip(batch, results, strict=True):
+        for (_, events, future), result in zip(batch, results, strict=True):
+            # Counted here, where the outcome is known, even if the awaiting task was cancelled meanwhile.
+            if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
+                self._on_append(len(events))
             if future.done():
                 continue
             if isinstance(result, Exception):

@@ -72,6 +72,8 @@ class ResponseWorker(BaseWorker):
         self._thread = threading.Thread(target=self._loop.run_forever, name="responses", daemon=True)
         self._thread.start()
         self._runtime: Runtime = self._call(open_runtime(settings, self.name, concurrency))
+        if settings.worker_metrics_port:
+            self._runtime.metrics.serve(settings.worker_metrics_port)
         self._background = [
             self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
             self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),

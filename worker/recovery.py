@@ -81,5 +81,6 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
         message = LOST_JOB if is_lost else GIVEN_UP
         if await end_response(rt, response_id, message):
             log.warning("response %s: ended failed, its job being %s", response_id, status or "lost")
+            rt.metrics.orphans.inc()
             ended += 1
     return ended

@@ -36,6 +36,7 @@ from worker.events import (
     read_events,
 )
 from worker.lease import Lease, Leases
+from worker.metrics import WorkerMetrics
 from worker.response import TERMINAL, Status, failed, finished, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
@@ -96,6 +97,7 @@ class Runtime:
     leases: Leases
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     database_wait_seconds: float = 120.0
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     log: EventLog = field(init=False)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     held: dict[str, Lease] = field(default_factory=dict)
@@ -104,7 +106,8 @@ class Runtime:
     interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
 
     def __post_init__(self) -> None:
-        self.log = EventLog(self.redis)
+        self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
+        self.metrics.in_flight.set_function(lambda: len(self.running))
 
     def request_cancel(self, response_id: str) -> None:
         """Interrupt the response's upstream call (the cancel watcher saw its flag).
@@ -137,6 +140,8 @@ class ResponseWriter:
         self.lease = lease
         self.next_sequence = next_sequence
         self.patience = patience
+        self.started_at = time.monotonic()
+        self.first_output_at: float | None = None
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
         """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
@@ -144,6 +149,8 @@ class ResponseWriter:
         result = await self._append(encoded)
         # Only once they landed: a writer that goes on after a failed append must leave no gap.
         self.next_sequence += len(encoded)
+        if self.first_output_at is None and any(_is_output(event) for event in encoded):
+            self.first_output_at = time.monotonic()
         if result is AppendResult.FENCED:
             raise FencedOut(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:
@@ -167,6 +174,11 @@ class ResponseWriter:
                 log.warning("response %s: Redis unreachable; retrying an append", self.lease.response_id)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def _is_output(event: Event) -> bool:
+    """Whether the event tells something the model said (no lifecycle event, no ending)."""
+    return event.type not in _BEFORE_OUTPUT and not event.is_terminal
 
 
 def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
@@ -255,6 +267,8 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     if not started:
         await _end_as_stored(rt, writer)
         return
+    if lease.attempt > 1 and last is not None and last.type != "response.queued":
+        rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
     if last is not None and last.type not in _BEFORE_OUTPUT:
         # DESIGN.md §4: an earlier attempt's output reached clients; generating again would repeat it.
         await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
@@ -291,14 +305,17 @@ async def _produce(
             await writer.emit([{"type": "response.in_progress", "response": response}])
         outcome = await _generate(rt, writer, stored)
     except CancelRequested:
+        rt.metrics.cancels.inc()
         return None
     except asyncio.CancelledError:
         if stored.id not in rt.cancelling:
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        rt.metrics.cancels.inc()
         return None
     except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
         log.info("response %s failed: %s", stored.id, exc)
+        rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
         streamed = exc.output if isinstance(exc, UpstreamFailed) else []
         return failed(response, f"The upstream model failed: {exc}", int(time.time()), output=streamed)
     finally:
@@ -381,7 +398,22 @@ async def _finish(
         await _end_as_stored(rt, writer)
         return
     await writer.emit([terminal_event(final)], final=True)
+    _observe(rt.metrics, writer, str(final["status"]))
     await expire_response(rt.redis, stored.id, rt.stream_ttl_seconds)
+
+
+def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> None:
+    metrics.finished.labels(status).inc()
+    metrics.completion.observe(time.monotonic() - writer.started_at)
+    if writer.first_output_at is not None:
+        metrics.first_event.observe(writer.first_output_at - writer.started_at)
+
+
+def _fault_kind(exc: Exception) -> str:
+    """A small label set: `http_<status>` for an upstream that answered, else the fault's class."""
+    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) and exc.__cause__ is not None else exc
+    status = getattr(cause, "status", None)
+    return f"http_{status}" if status else type(cause).__name__
 
 
 async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:

@@ -41,6 +41,8 @@ class Settings(BaseSettings):
 
     # Worker.
     workers: int = 1
+    # Where a worker serves its Prometheus metrics (0: not served); `respool up` gives worker i port + i.
+    worker_metrics_port: int = 0
     concurrency: int = 256
     queue: str = "respool"
 

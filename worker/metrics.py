@@ -1,0 +1,58 @@
+"""Prometheus metrics of one worker process, served on `RESPOOL_WORKER_METRICS_PORT` (0: not served).
+
+Run times are measured from the moment this worker starts a response's run (its lease taken).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Seconds: first tokens come in milliseconds to seconds; whole responses in seconds to minutes.
+_FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_RESPONSE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class WorkerMetrics:
+    """The metrics one worker process keeps."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.in_flight = Gauge(
+            "respool_responses_in_flight", "Responses this worker runs now.", registry=registry
+        )
+        self.events = Counter(
+            "respool_events", "Events this worker appended to response streams.", registry=registry
+        )
+        self.first_event = Histogram(
+            "respool_time_to_first_event_seconds",
+            "From a run's start to its first output event.",
+            buckets=_FIRST_EVENT_BUCKETS,
+            registry=registry,
+        )
+        self.completion = Histogram(
+            "respool_response_seconds",
+            "From a run's start to its end.",
+            buckets=_RESPONSE_BUCKETS,
+            registry=registry,
+        )
+        self.finished = Counter(
+            "respool_responses_finished",
+            "Responses this worker ended, by status.",
+            ["status"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "respool_upstream_errors", "Upstream calls that failed, by kind.", ["kind"], registry=registry
+        )
+        self.orphans = Counter(
+            "respool_orphans_recovered",
+            "Responses taken over after their worker stopped (run again, or ended), sweep included.",
+            registry=registry,
+        )
+        self.cancels = Counter(
+            "respool_cancels", "Cancels that stopped a running response.", registry=registry
+        )
+
+    def serve(self, port: int) -> None:
+        """Serve `/metrics` on `port`, from a thread of its own."""
+        start_http_server(port, registry=self.registry)
