@@ -74,11 +74,9 @@ async def retrieve_response(
     service = _service(request)
     if not stream:
         return ORJSONResponse(await service.retrieve(owner, response_id))
-    is_finished = await service.check_streamable(owner, response_id)
+    final = await service.check_streamable(owner, response_id)
     after = -1 if starting_after is None else starting_after
-    events = service.follow(
-        response_id, after, service.settings.sse_heartbeat_seconds, is_finished=is_finished
-    )
+    events = service.follow(response_id, after, service.settings.sse_heartbeat_seconds, final=final)
     return sse_response(events, after)
 
 

@@ -451,7 +451,7 @@ async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
                 raise
             log.warning("Postgres is unreachable (%s); retrying in %.1f s", type(exc).__name__, delay)
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 5.0)
+        delay = min(delay * 2, 2.0)
 
 
 async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:

@@ -33,7 +33,7 @@ from worker.errors import (
     UnavailableAfterCommitError,
     UnavailableError,
 )
-from worker.events import Event, EventLog, connect, encode, expire_response, last_event
+from worker.events import Event, EventLog, connect, encode, expire_response, last_event, read_events
 from worker.ids import new_id
 from worker.items import check_tool_outputs, normalize_input
 from worker.keys import cancel_key, response_keys
@@ -70,7 +70,11 @@ class ResponseService:
         self.redis = redis
         self.queue: Queue = response_queue(sync_redis, settings.queue)
         self.routes: Routes = load_routes(settings)
-        self.tailer = Tailer(redis, _blocking_client(settings), block_ms=TAILER_BLOCK_MS)
+        # A finished response's terminal event is waited for past its writer's lease (see `follow`).
+        finishing = settings.lease_seconds + 5
+        self.tailer = Tailer(
+            redis, _blocking_client(settings), block_ms=TAILER_BLOCK_MS, finishing_seconds=finishing
+        )
         self.leases = Leases(redis, settings.lease_seconds)
         self.log = EventLog(redis)
         self.holder = f"api:{new_id('proc')}"
@@ -187,27 +191,26 @@ class ResponseService:
         """The Response as it stands (PROTOCOL.md §6.3 polling)."""
         return (await self._stored(owner, response_id)).response
 
-    async def check_streamable(self, owner: str, response_id: str) -> bool:
-        """Raise unless the response exists for `owner` and its events are still kept; whether it
-        has finished (then its stream is replayed, never followed live).
+    async def check_streamable(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """Raise unless the response exists for `owner` and its events are still kept; its final
+        Response if it has finished (then its stream is replayed, not followed for long).
 
         Redis is asked even for a live response, so an outage is a 503 before the stream starts.
         """
         stored = await self._stored(owner, response_id)
         async with _redis():
             last = await last_event(self.redis, response_id)
-        is_finished = stored.status in TERMINAL
-        if is_finished and last is None:
+        if stored.status not in TERMINAL:
+            return None
+        if last is None:
             raise InvalidRequestError(
                 "The event stream of this response has expired; retrieve it without stream=true.",
                 param="stream",
             )
-        if is_finished and last is not None and not last.is_terminal:
-            # Postgres has the outcome but the stream not its end: its writer is about to append it,
-            # or died first (an outage between the two). With nobody holding it, end it from Postgres.
+        if not last.is_terminal:
             async with _redis():
                 await self._end_stream(response_id, stored.response)
-        return is_finished
+        return stored.response
 
     async def follow(
         self,
@@ -215,20 +218,32 @@ class ResponseService:
         after: int = -1,
         idle_seconds: float | None = None,
         *,
-        is_finished: bool = False,
+        final: dict[str, Any] | None = None,
     ) -> AsyncIterator[Event | None]:
         """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
-        finished response only what is stored (an `after` past its end is an empty stream).
+        finished response (`final`) what is stored, an `after` past its end being an empty stream.
+
+        Postgres commits a response's end before its writer appends the terminal event (DESIGN.md
+        §2.3). If that event does not come while the relay waits, the writer died in between: the
+        stream is ended from Postgres here (its lease has expired by then) and that end relayed.
 
         Raises `UnavailableError` if Redis is lost meanwhile: the reader resumes after the last
         event it got, once Redis is back.
         """
+        position, is_ended = after, False
+        is_finished = final is not None
         async with (
             _redis(),
             contextlib.aclosing(self.tailer.follow(response_id, after, idle_seconds, is_finished)) as events,
         ):
             async for item in events:
+                if item is not None:
+                    position, is_ended = item.sequence_number, item.is_terminal
                 yield item
+            if final is not None and not is_ended and position >= 0:
+                await self._end_stream(response_id, final)
+                for event in await read_events(self.redis, response_id, position):
+                    yield event
 
     async def wait(self, response_id: str) -> dict[str, Any]:
         """Hold a foreground request until its terminal event, and return its Response."""
