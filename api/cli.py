@@ -7,12 +7,12 @@ is started by its own command, so `up` runs exactly what a deployment runs, one 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from worker import logs
 from worker.settings import Settings
 
 EXAMPLE = """\
@@ -61,8 +61,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings(args)
+    logs.configure(settings.log_format)
     if args.command == "up":
         sys.exit(up(settings))
     _require_servers(settings)
@@ -84,14 +84,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 workers=settings.api_replicas,
                 host=settings.host,
                 port=settings.port,
-                log_level="info",
+                **_uvicorn_logging(settings),
             )
         else:
-            uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+            uvicorn.run(
+                create_app(settings), host=settings.host, port=settings.port, **_uvicorn_logging(settings)
+            )
     elif args.command == "worker":
         from worker.process import run_worker
 
         run_worker(settings, settings.concurrency)
+
+
+def _uvicorn_logging(settings: Settings) -> dict[str, Any]:
+    """uvicorn's own logging in text mode; in JSON mode none, so its records reach our JSON handler."""
+    if settings.log_format == "json":
+        return {"log_config": None, "log_level": "info"}
+    return {"log_level": "info"}
 
 
 def _require_servers(settings: Settings) -> None:

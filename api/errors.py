@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
+from worker import logs
 from worker.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -89,8 +90,10 @@ class RequestIdMiddleware(BaseHTTPMiddleware):
     """Tag every answer with `x-request-id` (the SDK surfaces it as `request_id`, PROTOCOL.md §5.4)."""
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        request_id = f"req_{secrets.token_hex(16)}"
+        logs.REQUEST_ID.set(request_id)  # every log line about this request carries it
         response = await call_next(request)
-        response.headers[REQUEST_ID] = f"req_{secrets.token_hex(16)}"
+        response.headers[REQUEST_ID] = request_id
         return response
 
 

@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import store
+from worker import logs, store
 from worker.errors import RespoolError
 from worker.events import (
     AppendResult,
@@ -191,6 +191,7 @@ def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
 
 async def run_response(rt: Runtime, response_id: str) -> RunEnd:
     """Run `response_id` to its end under a new lease (DESIGN.md §2, steps 2-3)."""
+    logs.RESPONSE_ID.set(response_id)  # this task's log lines carry it
     lease = await _acquire(rt, response_id)
     if lease is None:
         log.warning("response %s is held by another live holder; not running it", response_id)

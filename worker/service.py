@@ -24,7 +24,7 @@ from rq import Queue
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from worker import store
+from worker import logs, store
 from worker.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -110,6 +110,7 @@ class ResponseService:
         await self._check_queue_depth()
         own_items = normalize_input(request.input)
         response_id = new_id("resp")
+        logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         await self._check_queue()
         async with _database(), self.engine.begin() as conn:
@@ -375,6 +376,7 @@ class ResponseService:
             await self.leases.release(lease)
 
     async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
+        logs.RESPONSE_ID.set(response_id)
         async with _database(), self.engine.connect() as conn:
             stored = await store.get_response(conn, response_id, owner)
         if stored is None or not stored.store:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,9 @@ class Settings(BaseSettings):
 
     # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
     api_replicas: int = 1
+
+    # Logs: "text", or "json" (one object a line, with request and response ids).
+    log_format: Literal["text", "json"] = "text"
 
     # Worker.
     workers: int = 1

@@ -1,0 +1,80 @@
+"""Structured logs (issue 5): one JSON object a line, carrying the request and response ids in context."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _env, make_sdk
+from tests.support.stack import Servers, Stack, wait_for
+from tests.support.upstream_process import ScriptedUpstream
+from worker import logs
+
+
+def _record(message: str, *, is_failure: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if is_failure:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            exc_info = sys.exc_info()
+    return logging.getLogger("respool.test").makeRecord(
+        "respool.test", logging.WARNING, "f", 1, message, (), exc_info
+    )
+
+
+def test_a_record_in_context_carries_its_ids() -> None:
+    """A line logged while handling a request about a response names both, as JSON."""
+
+    def log_it() -> str:
+        logs.REQUEST_ID.set("req_1")
+        logs.RESPONSE_ID.set("resp_1")
+        return logs.JsonFormatter().format(_record("hello there"))
+
+    line = json.loads(contextvars.copy_context().run(log_it))
+    assert (line["message"], line["level"], line["logger"]) == ("hello there", "warning", "respool.test")
+    assert (line["request_id"], line["response_id"]) == ("req_1", "resp_1")
+
+
+def test_a_record_out_of_context_has_no_ids_and_keeps_its_traceback() -> None:
+    """Outside any request or response no id is invented, and an exception's traceback is kept."""
+    line = json.loads(
+        contextvars.Context().run(logs.JsonFormatter().format, _record("failed", is_failure=True))
+    )
+    assert "request_id" not in line and "response_id" not in line
+    assert "ValueError: boom" in line["exception"]
+
+
+@pytest.mark.integration
+def test_a_worker_logs_json_lines_naming_the_response(
+    backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack, model: str
+) -> None:
+    """With RESPOOL_LOG_FORMAT=json, a worker's lines about a response are JSON that name it."""
+    logs_dir = session_dir / f"logs-json-{uuid.uuid4().hex[:6]}"
+    logs_dir.mkdir()
+    env = _env(
+        backing, RESPOOL_UPSTREAM_URL=upstream.url, RESPOOL_UPSTREAM_RETRIES="0", RESPOOL_LOG_FORMAT="json"
+    )
+    running = Stack(env, logs_dir)  # `stack` migrated the database
+    try:
+        running.start_api()
+        running.start_worker()
+        upstream.script(model, {"status": 400, "error": {"message": "no such thing"}})
+        with make_sdk(running.url, "unused") as sdk:
+            failed = sdk.responses.create(model=model, input="x")
+        assert failed.status == "failed"
+
+        def lines_about_it() -> list[dict[str, object]]:
+            lines = [json.loads(line) for line in running.log("worker").splitlines() if line.startswith("{")]
+            return [line for line in lines if line.get("response_id") == failed.id]
+
+        about = wait_for(lines_about_it, timeout=30, what="a JSON line naming the response")
+        assert any("failed" in str(line["message"]) for line in about)
+    finally:
+        running.stop_all()
