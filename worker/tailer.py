@@ -56,7 +56,15 @@ class Tailer:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._wake_position = (await self._poke()).decode()
+        """Start relaying. With Redis unreachable the process starts all the same (its routes answer
+        503 meanwhile), and the tail begins once Redis is back."""
+        try:
+            self._wake_position = (await self._poke()).decode()
+        except RedisError as exc:
+            log.warning(
+                "tailer: Redis is unreachable at start (%r); serving, and tailing once it is back", exc
+            )
+            self._wake_position = "0-0"  # the wake-up stream, from its beginning once it exists
         self._task = asyncio.create_task(self._run(), name="tailer")
 
     async def stop(self) -> None:

@@ -409,3 +409,24 @@ def test_a_create_whose_enqueue_times_out_is_failed_and_not_retried(
     found = re.search(r"resp_\w+", error.message)
     assert found is not None, error.message
     assert settled(sdk, found[0]).status == "failed"
+
+
+def test_an_api_started_while_redis_is_down_serves_once_it_is_back(
+    servers: Restartable, faulty: Stack, sdk: openai.OpenAI
+) -> None:
+    """An API process started while Redis is down comes up (healthy, not ready, 503s), and serves
+    streams once Redis is back."""
+    wait_for(lambda: "ready: taking responses" in faulty.log("worker"), timeout=60, what="the worker")
+    servers.stop_redis()
+    try:
+        url = faulty.start_api("api-started-early")
+        assert httpx.get(url + "/readyz", timeout=CLIENT_TIMEOUT).status_code == 503
+        with make_sdk(url, KEY_A) as early:
+            assert_503(lambda: early.responses.create(model="synthetic", input="x"))
+    finally:
+        servers.start_redis()
+    with make_sdk(url, KEY_A) as early:
+        wait_for(lambda: httpx.get(url + "/readyz", timeout=CLIENT_TIMEOUT).status_code == 200, what="ready")
+        events = list(early.responses.create(model="synthetic", input="after", stream=True))
+    assert events[-1].type == "response.completed"
+    faulty.stop("api-started-early")
