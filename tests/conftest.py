@@ -42,6 +42,14 @@ def make_sdk(url: str, key: str) -> openai.OpenAI:
     )
 
 
+def own_stack(backing: Servers, session_dir: Path, label: str, **env: str) -> Stack:
+    """Processes of a test module's own (its own queue and log dir, `env` on top) on the session's
+    servers; the `stack` fixture has migrated their database, so depend on it."""
+    logs = session_dir / f"logs-{label}-{uuid.uuid4().hex[:6]}"
+    logs.mkdir()
+    return Stack(_env(backing, **env), logs)
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("respool")

@@ -58,7 +58,7 @@ async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses
     """End every orphaned live response (see the module docstring); the number ended."""
     grace = max(10.0, 2.0 * settings.registry_seconds)
     async with rt.engine.connect() as conn:
-        candidates = await store.live_responses(conn, grace, BATCH)
+        candidates = await store.live_response_ids(conn, grace, BATCH)
     if not candidates:
         return 0
     async with rt.redis.pipeline(transaction=False) as pipe:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +21,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import logs, store
@@ -420,38 +419,27 @@ def _blocking_client(settings: Settings) -> Redis:
     )
 
 
-class _redis:
-    """Map a Redis outage to `UnavailableError` (503 + retry-after) at this boundary."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if isinstance(exc, RedisError) and _is_redis_outage(exc):
-            raise UnavailableError("The queue (Redis) is unavailable; retry the request shortly.") from exc
+@contextlib.asynccontextmanager
+async def _unavailable_on(is_outage: Callable[[Exception], bool], message: str) -> AsyncIterator[None]:
+    """Map a backing server's outage to `UnavailableError` (503 + retry-after) at this boundary."""
+    try:
+        yield
+    except Exception as exc:
+        if is_outage(exc):
+            raise UnavailableError(message) from exc
+        raise
 
 
-def _is_redis_outage(exc: RedisError) -> bool:
+def _redis() -> contextlib.AbstractAsyncContextManager[None]:
+    return _unavailable_on(_is_redis_outage, "The queue (Redis) is unavailable; retry the request shortly.")
+
+
+def _database() -> contextlib.AbstractAsyncContextManager[None]:
+    return _unavailable_on(store.is_unreachable, "The database is unavailable; retry the request shortly.")
+
+
+def _is_redis_outage(exc: Exception) -> bool:
     """Unreachable, hung, still loading its data (a ConnectionError), or a replica after a failover."""
-    if isinstance(exc, RedisAuthenticationError):
+    if not isinstance(exc, RedisError) or isinstance(exc, RedisAuthenticationError):
         return False  # a misconfiguration, not an outage: a 500 that says so in the log
     return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError)
-
-
-class _database:
-    """Map a Postgres outage to `UnavailableError` (503 + retry-after) at this boundary."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if isinstance(exc, SQLAlchemyError) and _is_connection_error(exc):
-            raise UnavailableError("The database is unavailable; retry the request shortly.") from exc
-
-
-def _is_connection_error(exc: SQLAlchemyError) -> bool:
-    return store.is_unreachable(exc)

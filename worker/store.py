@@ -204,16 +204,16 @@ async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int)
     return result.rowcount == 1
 
 
-async def live_responses(conn: AsyncConnection, older_than_seconds: float, limit: int) -> dict[str, int]:
-    """Queued or in-progress rows created more than `older_than_seconds` ago: id => attempts started."""
+async def live_response_ids(conn: AsyncConnection, older_than_seconds: float, limit: int) -> list[str]:
+    """Ids of queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view)."""
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
     query = (
-        select(ResponseRow.id, ResponseRow.attempt)
+        select(ResponseRow.id)
         .where(ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff)
         .order_by(ResponseRow.created_at)
         .limit(limit)
     )
-    return {row.id: row.attempt for row in await conn.execute(query)}
+    return list((await conn.execute(query)).scalars())
 
 
 async def delete_expired(conn: AsyncConnection, retention_days: float, limit: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack
 
 pytestmark = pytest.mark.integration
@@ -22,9 +22,7 @@ LIMIT = 3
 @pytest.fixture(scope="module")
 def full_queue(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[openai.OpenAI]:
     """An API whose queue no worker serves, limited to 3 waiting responses."""
-    logs = session_dir / f"logs-backpressure-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
-    running = Stack(_env(backing, RESPOOL_MAX_QUEUE_DEPTH=str(LIMIT)), logs)  # `stack` migrated the database
+    running = own_stack(backing, session_dir, "backpressure", RESPOOL_MAX_QUEUE_DEPTH=str(LIMIT))
     running.start_api()
     with make_sdk(running.url, "unused") as sdk:
         yield sdk

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack
 
 pytestmark = pytest.mark.integration
@@ -20,9 +19,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def idle_api(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[Stack]:
     """An API of its own whose queue no worker serves, so its traffic and its queue are known."""
-    logs = session_dir / f"logs-metrics-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
-    running = Stack(_env(backing), logs)  # `stack` migrated the database
+    running = own_stack(backing, session_dir, "metrics")
     running.start_api()
     yield running
     running.stop_all()

@@ -3,7 +3,6 @@ between API processes, and an API process that dies loses no response."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.faults import KILL, check_ended, wait_until_ended, worker_name
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
@@ -24,9 +23,7 @@ def pair(
     backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack
 ) -> Iterator[tuple[Stack, dict[str, str]]]:
     """API processes `api-1` and `api-2`, workers `worker-1` and `worker-2`, on a queue of their own."""
-    logs = session_dir / f"logs-topology-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
-    running = Stack(_env(backing, RESPOOL_UPSTREAM_URL=upstream.url), logs)  # `stack` migrated the database
+    running = own_stack(backing, session_dir, "topology", RESPOOL_UPSTREAM_URL=upstream.url)
     urls = {name: running.start_api(name) for name in ("api-1", "api-2")}
     for name in ("worker-1", "worker-2"):
         running.start_worker(name)

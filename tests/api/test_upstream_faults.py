@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.conftest import KEY_A, _env, make_sdk
+from tests.conftest import KEY_A, make_sdk, own_stack
 from tests.support.stack import Servers, Stack
 from tests.support.upstream_frames import Json
 from tests.support.upstream_process import ScriptedUpstream
@@ -37,10 +37,10 @@ def faults_client(
 
     Depends on `stack`, which migrated the shared database.
     """
-    logs = session_dir / "logs-upstream-faults"
-    logs.mkdir()
-    env = _env(
+    running = own_stack(
         backing,
+        session_dir,
+        "upstream-faults",
         RESPOOL_API_KEYS=f"{KEY_A}:tenant-a",
         RESPOOL_UPSTREAM_URL=upstream.url,
         RESPOOL_UPSTREAM_API="chat",
@@ -49,7 +49,6 @@ def faults_client(
         RESPOOL_UPSTREAM_BACKOFF_MAX_SECONDS="0.05",
         RESPOOL_UPSTREAM_STALL_SECONDS="1",
     )
-    running = Stack(env, logs)
     try:
         url = running.start_api("api-upstream-faults")
         running.start_worker("worker-upstream-faults")

@@ -6,12 +6,11 @@ import contextvars
 import json
 import logging
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 from worker import logs
@@ -56,12 +55,14 @@ def test_a_worker_logs_json_lines_naming_the_response(
     backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack, model: str
 ) -> None:
     """With RESPOOL_LOG_FORMAT=json, a worker's lines about a response are JSON that name it."""
-    logs_dir = session_dir / f"logs-json-{uuid.uuid4().hex[:6]}"
-    logs_dir.mkdir()
-    env = _env(
-        backing, RESPOOL_UPSTREAM_URL=upstream.url, RESPOOL_UPSTREAM_RETRIES="0", RESPOOL_LOG_FORMAT="json"
+    running = own_stack(
+        backing,
+        session_dir,
+        "json",
+        RESPOOL_UPSTREAM_URL=upstream.url,
+        RESPOOL_UPSTREAM_RETRIES="0",
+        RESPOOL_LOG_FORMAT="json",
     )
-    running = Stack(env, logs_dir)  # `stack` migrated the database
     try:
         running.start_api()
         running.start_worker()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ import openai
 import pytest
 from redis import Redis
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.faults import (
     CONT,
     KILL,
@@ -36,12 +35,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(3
 @pytest.fixture(scope="module")
 def faults(backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack) -> Iterator[Stack]:
     """An API of this module's own; each test starts the workers it kills."""
-    logs = session_dir / f"logs-faults-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
-    env = _env(
-        backing, RESPOOL_UPSTREAM_URL=upstream.url, RESPOOL_UPSTREAM_API="chat", RESPOOL_DRAIN_SECONDS="60"
+    running = own_stack(
+        backing,
+        session_dir,
+        "faults",
+        RESPOOL_UPSTREAM_URL=upstream.url,
+        RESPOOL_UPSTREAM_API="chat",
+        RESPOOL_DRAIN_SECONDS="60",
     )
-    running = Stack(env, logs)  # the `stack` fixture has migrated this database
     running.start_api()
     yield running
     running.stop_all()

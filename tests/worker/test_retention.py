@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -21,14 +20,13 @@ RETENTION_SECONDS = 12
 @pytest.fixture(scope="module")
 def short_lived(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[openai.OpenAI]:
     """An API and a worker that keep finished events 1 s and stored responses 12 s."""
-    logs = session_dir / f"logs-retention-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
-    env = _env(
+    running = own_stack(
         backing,
+        session_dir,
+        "retention",
         RESPOOL_STREAM_TTL_SECONDS=str(STREAM_TTL_SECONDS),
         RESPOOL_RETENTION_DAYS=str(RETENTION_SECONDS / 86400),
     )
-    running = Stack(env, logs)  # the `stack` fixture has migrated this database
     running.start_api()
     running.start_worker()
     with make_sdk(running.url, "unused") as sdk:

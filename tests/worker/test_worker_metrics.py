@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import _env, make_sdk
+from tests.conftest import make_sdk, own_stack
 from tests.support.faults import wait_until_ended
 from tests.support.stack import Servers, Stack, free_port, wait_for
 from tests.support.upstream_process import ScriptedUpstream
@@ -25,16 +24,15 @@ def measured(
     backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack
 ) -> Iterator[tuple[Stack, str]]:
     """An API and one worker serving its metrics on a port of its own; upstream failures are not retried."""
-    logs = session_dir / f"logs-worker-metrics-{uuid.uuid4().hex[:6]}"
-    logs.mkdir()
     port = free_port()
-    env = _env(
+    running = own_stack(
         backing,
+        session_dir,
+        "worker-metrics",
         RESPOOL_UPSTREAM_URL=upstream.url,
         RESPOOL_UPSTREAM_RETRIES="0",
         RESPOOL_WORKER_METRICS_PORT=str(port),
     )
-    running = Stack(env, logs)  # `stack` migrated the database
     running.start_api()
     running.start_worker()
     yield running, f"http://127.0.0.1:{port}/metrics"
