@@ -8,6 +8,7 @@ append that is not after the last one: a retried or stale write can never duplic
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -15,10 +16,10 @@ from typing import Any, cast
 
 import orjson
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 
 from worker.keys import attempt_key, cancel_key, events_key, lease_key
 from worker.lease import Lease
@@ -142,7 +143,7 @@ class EventLog:
     def __init__(self, redis: Redis, on_append: Callable[[int], object] | None = None) -> None:
         self._redis = redis
         self._on_append = on_append  # told how many events each successful append added
-        self._script = redis.register_script(_FENCED_APPEND)
+        self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
         self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
         self._flushing = False
 
@@ -165,10 +166,14 @@ class EventLog:
 
     async def _send(self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]) -> None:
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for lease, events, _ in batch:
-                    await self._queue_append(pipe, lease, events)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._execute(batch)
+            # A Redis that restarted (or flushed its scripts) ran none of those: load it, send them again.
+            missing = [index for index, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missing:
+                await self._redis.script_load(_FENCED_APPEND)
+                again = await self._execute([batch[index] for index in missing])
+                for index, result in zip(missing, again, strict=True):
+                    results[index] = result
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
         for (_, events, future), result in zip(batch, results, strict=True):
@@ -182,9 +187,17 @@ class EventLog:
             else:
                 future.set_result(AppendResult(int(result)))
 
-    async def _queue_append(self, pipe: Pipeline, lease: Lease, events: list[Event]) -> None:
-        args: list[str | bytes] = [lease.value]
-        for event in events:
-            args += [entry_id(event.sequence_number), event.type, event.data]
-        rid = lease.response_id
-        await self._script(keys=[lease_key(rid), events_key(rid), cancel_key(rid)], args=args, client=pipe)
+    async def _execute(
+        self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]
+    ) -> list[Any]:
+        """One pipeline of EVALSHAs (redis-py's script objects would add a SCRIPT EXISTS round trip
+        to every pipeline); an append that failed is its exception in the list."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for lease, events, _ in batch:
+                args: list[str | bytes] = [lease.value]
+                for event in events:
+                    args += [entry_id(event.sequence_number), event.type, event.data]
+                rid = lease.response_id
+                pipe.evalsha(self._sha, 3, lease_key(rid), events_key(rid), cancel_key(rid), *args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
