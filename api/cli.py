@@ -1,4 +1,4 @@
-"""The `respool` command: `up` (everything on one machine), `migrate`, `api`, `worker`.
+"""The `respool` command: `up` (everything on one machine), `migrate`, `api`, `worker`, `bench`.
 
 Every option is also an env var (`RESPOOL_…`); a flag given on the command line wins. Each process
 is started by its own command, so `up` runs exactly what a deployment runs, one process each.
@@ -50,10 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--concurrency", type=int, help="responses held at once (RESPOOL_CONCURRENCY, default 256)"
     )
+    bench = commands.add_parser(
+        "bench", help="measure what respool adds to an upstream, beside it and LiteLLM (README: Performance)"
+    )
+    bench.add_argument("--out", default="bench-results", help="directory for result.json, latency.png, logs")
+    bench.add_argument("--quick", action="store_true", help="a short run that checks everything works")
+    bench.add_argument("--litellm", help="the litellm executable (default: `litellm` on PATH, if any)")
+    bench.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out even if installed")
+    bench.add_argument(
+        "--workers", default="1,2", help="worker process counts to measure respool with (default 1,2)"
+    )
     return parser
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    if args.command == "bench":
+        return Settings()
     flags = {key: value for key, value in vars(args).items() if key != "command" and value is not None}
     overrides: dict[str, Any] = flags
     return Settings(**overrides)
@@ -65,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logs.configure(settings.log_format)
     if args.command == "up":
         sys.exit(up(settings))
+    if args.command == "bench":
+        sys.exit(bench(args, settings))
     _require_servers(settings)
     if args.command == "migrate":
         from worker.migrate import migrate
@@ -94,6 +108,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         from worker.process import run_worker
 
         run_worker(settings, settings.concurrency)
+
+
+def bench(args: argparse.Namespace, settings: Settings) -> int:
+    """`respool bench`: start an upstream, respool (and LiteLLM) on loopback and measure them."""
+    try:
+        from api.bench.run import run, servers_from
+        from api.bench.scenarios import Plan
+    except ImportError as exc:
+        print(f"respool bench needs its extra: pip install 'respool[bench]' ({exc})", file=sys.stderr)
+        return 2
+    import dataclasses
+    from pathlib import Path
+
+    plan = Plan.quick() if args.quick else Plan()
+    workers = tuple(int(count) for count in args.workers.split(","))
+    plan = dataclasses.replace(plan, worker_counts=workers)
+    litellm = None if args.no_litellm else (args.litellm or "")
+    run(plan, Path(args.out), litellm, servers_from(settings))
+    print(f"\nWritten: {Path(args.out) / 'result.json'}, {Path(args.out) / 'latency.png'}")
+    return 0
 
 
 def _uvicorn_logging(settings: Settings) -> dict[str, Any]:

@@ -1,13 +1,16 @@
 """The queue contract between the API and the workers: RQ jobs whose id is the response id.
 
 A job's only argument is the response id: the request, the conversation and every secret stay
-out of Redis (DESIGN.md §8). The API calls these synchronous functions in a thread, because RQ
-is synchronous.
+out of Redis (DESIGN.md §8). RQ is synchronous: the API sends the enqueue's commands (which RQ
+builds) on its asyncio client, and calls the other functions here in a thread.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis import Redis as SyncRedis
+from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -25,27 +28,49 @@ def response_queue(connection: SyncRedis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
-def enqueue_response(queue: Queue, response_id: str, first_events: list[Event], max_attempts: int) -> None:
-    """Append the response's first events and enqueue its job, in one MULTI (DESIGN.md §2.1).
+def enqueue_commands(
+    queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The commands that append the response's first events and enqueue its job, for an asyncio
+    client to send in one MULTI (DESIGN.md §2.1).
+
+    RQ itself builds them, on a pipeline that only records (so the job's format stays RQ's own);
+    nothing is sent. It needs `queue.redis_server_version` set, or it asks the server for it first.
+    """
+    recorder = queue.connection.pipeline()
+    recorder.multi()
+    _record_enqueue(recorder, queue, response_id, first_events, max_attempts)
+    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
+    recorder.reset()
+    return commands
+
+
+def parse_server_version(version: str) -> tuple[int, int, int]:
+    """`INFO server`'s `redis_version` as RQ keeps it (`Queue.redis_server_version`)."""
+    parts = [int(part) for part in str(version).split(".")[:3]]
+    return (*parts, 0, 0, 0)[:3]  # type: ignore[return-value]
+
+
+def _record_enqueue(
+    pipe: Pipeline, queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
+) -> None:
+    """Queue the first events and the job on `pipe`.
 
     A job whose worker dies is retried by RQ's maintenance, up to `max_attempts` runs in all
     (DESIGN.md §4, "Orphans"); the next attempt decides whether it may generate again.
     """
-    with queue.connection.pipeline() as pipe:
-        pipe.multi()
-        add_events(pipe, response_id, first_events)
-        queue.enqueue_call(
-            JOB_FUNCTION,
-            args=(response_id,),
-            job_id=response_id,
-            timeout=JOB_TIMEOUT,
-            result_ttl=RESULT_TTL,
-            failure_ttl=RESULT_TTL,
-            retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
-            description=f"response {response_id}",
-            pipeline=pipe,
-        )
-        pipe.execute()
+    add_events(pipe, response_id, first_events)
+    queue.enqueue_call(
+        JOB_FUNCTION,
+        args=(response_id,),
+        job_id=response_id,
+        timeout=JOB_TIMEOUT,
+        result_ttl=RESULT_TTL,
+        failure_ttl=RESULT_TTL,
+        retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
+        description=f"response {response_id}",
+        pipeline=pipe,
+    )
 
 
 def remove_queued(queue: Queue, response_id: str) -> bool:

@@ -99,6 +99,7 @@ class Runtime:
     database_wait_seconds: float = 120.0
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     log: EventLog = field(init=False)
+    autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     held: dict[str, Lease] = field(default_factory=dict)
     generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
@@ -107,6 +108,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
+        self.autocommit = store.single_statements(self.engine)
         self.metrics.in_flight.set_function(lambda: len(self.running))
 
     def request_cancel(self, response_id: str) -> None:
@@ -456,12 +458,12 @@ async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
-    async with rt.engine.connect() as conn:
+    async with rt.autocommit.connect() as conn:
         return await store.get_response(conn, response_id)
 
 
 async def _mark_in_progress(rt: Runtime, lease: Lease, response: dict[str, Any]) -> bool:
-    async with rt.engine.begin() as conn:
+    async with rt.autocommit.connect() as conn:
         return await store.mark_in_progress(conn, lease.response_id, lease.attempt, response)
 
 
@@ -469,7 +471,7 @@ async def _record_final(
     rt: Runtime, stored: store.StoredResponse, attempt: int, final: dict[str, Any]
 ) -> bool:
     """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing."""
-    async with rt.engine.begin() as conn:
+    async with rt.autocommit.connect() as conn:
         if stored.store:
             return await store.mark_finished(conn, stored.id, attempt, final)
         return await store.delete_finished(conn, stored.id, attempt)

@@ -21,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import logs, store
@@ -37,7 +38,7 @@ from worker.ids import new_id
 from worker.items import check_tool_outputs, normalize_input
 from worker.keys import cancel_key, response_keys
 from worker.lease import Leases
-from worker.queue import delete_job, enqueue_response, remove_queued, response_queue
+from worker.queue import delete_job, enqueue_commands, parse_server_version, remove_queued, response_queue
 from worker.request import CreateRequest, parse_create_request
 from worker.response import LIVE, TERMINAL, Status, build_response, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
@@ -66,6 +67,7 @@ class ResponseService:
     def __init__(self, settings: Settings, engine: AsyncEngine, redis: Redis, sync_redis: SyncRedis) -> None:
         self.settings = settings
         self.engine = engine
+        self.autocommit = store.single_statements(engine)  # for one-statement work
         self.redis = redis
         self.queue: Queue = response_queue(sync_redis, settings.queue)
         self.routes: Routes = load_routes(settings)
@@ -165,9 +167,14 @@ class ResponseService:
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
-            await asyncio.to_thread(
-                enqueue_response, self.queue, response["id"], first, self.settings.max_attempts
-            )
+            if self.queue.redis_server_version is None:  # RQ asks once per process: ask it here
+                info = await self.redis.info("server")
+                self.queue.redis_server_version = parse_server_version(info["redis_version"])
+            commands = enqueue_commands(self.queue, response["id"], first, self.settings.max_attempts)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for args, options in commands:
+                    pipe.execute_command(*args, **options)
+                await pipe.execute()
         except RedisError as exc:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
@@ -309,7 +316,7 @@ class ResponseService:
 
     async def _cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Record the cancel (it wins atomically, PROTOCOL.md §7), then reach whoever holds the response."""
-        async with _database(), self.engine.begin() as conn:
+        async with _database(), self.autocommit.connect() as conn:
             cancelled = await store.mark_cancelled(conn, response_id, owner)
         if cancelled is None:
             return None
@@ -356,8 +363,8 @@ class ResponseService:
         """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
         async with _redis():
             await self.redis.ping()
-        async with _database(), self.engine.connect():  # a checkout pings (pool_pre_ping)
-            pass
+        async with _database(), self.autocommit.connect() as conn:
+            await conn.execute(text("SELECT 1"))
 
     async def _end_stream(self, response_id: str, response: dict[str, Any]) -> None:
         """End a never-run response's stream with its terminal event, under a lease of our own."""
@@ -376,7 +383,7 @@ class ResponseService:
 
     async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
         logs.RESPONSE_ID.set(response_id)
-        async with _database(), self.engine.connect() as conn:
+        async with _database(), self.autocommit.connect() as conn:
             stored = await store.get_response(conn, response_id, owner)
         if stored is None or not stored.store:
             raise ResponseNotFoundError(response_id)

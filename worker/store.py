@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import delete, func, insert, select, update
+import orjson
+from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -20,16 +21,29 @@ from worker.response import LIVE, Status
 def create_engine(database_url: str, pool_size: int = 10, connect_timeout_seconds: int = 5) -> AsyncEngine:
     """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver).
 
-    A checkout tests its connection first, so the connections a Postgres restart broke are replaced
-    instead of failing whatever used them next; a connect gives up after `connect_timeout_seconds`.
+    A checkout does not ping first (that was a round trip before every statement): after a Postgres
+    restart, the first statement on a broken connection fails as unreachable, which invalidates
+    every connection the pool holds, and callers retry (the worker) or answer 503 (the API). A
+    connect gives up after `connect_timeout_seconds`. JSON goes through orjson.
     """
     return create_async_engine(
         async_url(database_url),
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
         connect_args={"connect_timeout": connect_timeout_seconds},
+        json_serializer=_dumps,
+        json_deserializer=orjson.loads,
     )
+
+
+def single_statements(engine: AsyncEngine) -> AsyncEngine:
+    """`engine`, each statement its own transaction (autocommit): for work that is one statement,
+    such as every compare-and-set below, with no BEGIN and COMMIT round trips around it."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
 
 
 def async_url(database_url: str) -> str:
@@ -70,27 +84,63 @@ _COLUMNS = (
 )
 
 
+# The hot statements, built once: building one costs more than running it (parameters are bound).
+_INSERT = insert(ResponseRow)
+_INSERT_ITEMS = insert(InputItemRow)
+_SELECT = select(*_COLUMNS).where(ResponseRow.id == bindparam("rid"))
+_SELECT_OWNED = _SELECT.where(ResponseRow.owner == bindparam("owned_by"))
+_MARK_IN_PROGRESS = (
+    update(ResponseRow)
+    .where(
+        ResponseRow.id == bindparam("rid"),
+        ResponseRow.attempt < bindparam("new_attempt"),
+        ResponseRow.status.in_(LIVE),
+    )
+    .values(
+        status=Status.IN_PROGRESS,
+        attempt=bindparam("new_attempt"),
+        response=bindparam("new_response"),
+        started_at=func.now(),
+    )
+)
+_MARK_FINISHED = (
+    update(ResponseRow)
+    .where(
+        ResponseRow.id == bindparam("rid"),
+        ResponseRow.attempt == bindparam("held_attempt"),
+        ResponseRow.status == Status.IN_PROGRESS,
+    )
+    .values(
+        status=bindparam("new_status"),
+        response=bindparam("new_response"),
+        error=bindparam("new_error"),
+        completed_at=func.now(),
+    )
+)
+
+
 async def insert_response(
     conn: AsyncConnection, row: dict[str, Any], input_items: list[dict[str, Any]]
 ) -> None:
     """Insert a new response row and its input items."""
-    await conn.execute(insert(ResponseRow).values(**row))
+    await conn.execute(_INSERT, row)
     items = [
         {"response_id": row["id"], "position": index, "item_id": item["id"], "item": item}
         for index, item in enumerate(input_items)
     ]
     if items:
-        await conn.execute(insert(InputItemRow), items)
+        await conn.execute(_INSERT_ITEMS, items)
 
 
 async def get_response(
     conn: AsyncConnection, response_id: str, owner: str | None = None
 ) -> StoredResponse | None:
     """The row `response_id`, if it exists (and belongs to `owner`, when one is given)."""
-    query = select(*_COLUMNS).where(ResponseRow.id == response_id)
-    if owner is not None:
-        query = query.where(ResponseRow.owner == owner)
-    row = (await conn.execute(query)).one_or_none()
+    if owner is None:
+        result = await conn.execute(_SELECT, {"rid": response_id})
+    else:
+        result = await conn.execute(_SELECT_OWNED, {"rid": response_id, "owned_by": owner})
+    row = result.one_or_none()
     if row is None:
         return None
     return StoredResponse(**{**row._asdict(), "status": Status(row.status)})
@@ -100,11 +150,8 @@ async def mark_in_progress(
     conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
 ) -> bool:
     """Move a live row to `in_progress` under `attempt`; False if it is terminal or a later attempt owns it."""
-    result = await conn.execute(
-        update(ResponseRow)
-        .where(ResponseRow.id == response_id, ResponseRow.attempt < attempt, ResponseRow.status.in_(LIVE))
-        .values(status=Status.IN_PROGRESS, attempt=attempt, response=response, started_at=func.now())
-    )
+    parameters = {"rid": response_id, "new_attempt": attempt, "new_response": response}
+    result = await conn.execute(_MARK_IN_PROGRESS, parameters)
     return result.rowcount == 1
 
 
@@ -112,20 +159,14 @@ async def mark_finished(
     conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
 ) -> bool:
     """Record the final Response, fenced on `attempt` (DESIGN.md §2.3); False means another outcome won."""
-    result = await conn.execute(
-        update(ResponseRow)
-        .where(
-            ResponseRow.id == response_id,
-            ResponseRow.attempt == attempt,
-            ResponseRow.status == Status.IN_PROGRESS,
-        )
-        .values(
-            status=response["status"],
-            response=response,
-            error=response.get("error"),
-            completed_at=func.now(),
-        )
-    )
+    parameters = {
+        "rid": response_id,
+        "held_attempt": attempt,
+        "new_status": response["status"],
+        "new_response": response,
+        "new_error": response.get("error"),
+    }
+    result = await conn.execute(_MARK_FINISHED, parameters)
     return result.rowcount == 1
 
 

@@ -1,0 +1,256 @@
+"""The load generator: streams and short requests against one target, timed at the client.
+
+A target is one way to reach the same paced upstream: the upstream called directly (Chat
+Completions), respool (`/v1/responses` over a Chat Completions upstream) or LiteLLM (its
+`/v1/responses` bridge). Every token the upstream sends is the text `tok `, so a client counts
+tokens by counting `b"tok "` in the delta frames, whether or not a proxy merged deltas.
+
+What is measured, per stream: the time from sending the request to the first token (TTFT), and
+the gap between consecutive token arrivals (tokens that arrive in one frame arrive together).
+A stream is lost if it fails or ends with fewer tokens than the upstream sent, and stalled if a
+gap exceeds `STALL_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import httpx
+import orjson
+
+TOKEN = b"tok "
+STALL_SECONDS = 1.0
+_DELTA = b'"response.output_text.delta"'
+_RESPONSE_FAILS = (b"event: error", b'"type":"error"', b'"response.failed"', b'"response.incomplete"')
+
+
+class Api(StrEnum):
+    CHAT = "chat"  # POST /chat/completions (the upstream itself)
+    RESPONSES = "responses"  # POST /responses (respool, LiteLLM)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to send load: a name for the report, a base URL ending in `/v1`, and its API."""
+
+    name: str
+    url: str
+    api: Api
+
+
+def model_name(tokens: int, pace_ms: int) -> str:
+    """The bench upstream's model for `tokens` tokens `pace_ms` apart (api/bench/upstream.py)."""
+    return f"bench-{tokens}x{pace_ms}"
+
+
+@dataclass
+class StreamSample:
+    """One stream as the client saw it."""
+
+    tokens: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+    max_gap: float = 0.0
+
+    def is_clean(self, expected_tokens: int) -> bool:
+        return self.error is None and self.tokens == expected_tokens and self.max_gap <= STALL_SECONDS
+
+
+def client(connections: int) -> httpx.AsyncClient:
+    """One pooled HTTP/1.1 client for a whole run (keep-alive, no limit below `connections`)."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0, connect=30.0))
+
+
+def _stream_body(target: Target, model: str) -> bytes:
+    if target.api is Api.CHAT:
+        messages = [{"role": "user", "content": "Count."}]
+        return orjson.dumps({"model": model, "messages": messages, "stream": True})
+    return orjson.dumps({"model": model, "input": "Count.", "stream": True})
+
+
+def _path(target: Target) -> str:
+    return "/chat/completions" if target.api is Api.CHAT else "/responses"
+
+
+async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expected: int) -> StreamSample:
+    """One streamed request: its TTFT and token gaps, or what went wrong."""
+    sample = StreamSample()
+    body = _stream_body(target, model)
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    is_chat = target.api is Api.CHAT
+    buffer = b""
+    last: float | None = None
+    ended = False
+    started = time.perf_counter()
+    try:
+        async with http.stream("POST", target.url + _path(target), content=body, headers=headers) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                sample.error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                return sample
+            async for chunk in reply.aiter_raw():
+                now = time.perf_counter()
+                buffer += chunk
+                *frames, buffer = buffer.split(b"\n\n")
+                for frame in frames:
+                    count = _tokens_in(frame, is_chat)
+                    if count:
+                        if last is None:
+                            sample.ttft = now - started
+                        else:
+                            gap = now - last
+                            sample.gaps.append(gap)
+                            sample.max_gap = max(sample.max_gap, gap)
+                        sample.gaps.extend([0.0] * (count - 1))
+                        sample.tokens += count
+                        last = now
+                    elif _is_end(frame, is_chat):
+                        ended = True
+                    elif not is_chat and any(kind in frame for kind in _RESPONSE_FAILS):
+                        sample.error = frame.decode(errors="replace")[:300]
+    except (httpx.HTTPError, OSError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        return sample
+    if sample.error is None and not ended:
+        sample.error = "the stream ended without its last event"
+    if sample.error is None and sample.tokens != expected:
+        sample.error = f"{sample.tokens} tokens of {expected}"
+    return sample
+
+
+def _tokens_in(frame: bytes, is_chat: bool) -> int:
+    if is_chat:
+        return frame.count(TOKEN)
+    return frame.count(TOKEN) if _DELTA in frame else 0
+
+
+def _is_end(frame: bytes, is_chat: bool) -> bool:
+    if is_chat:
+        return b"[DONE]" in frame
+    return b'"response.completed"' in frame
+
+
+async def closed_loop(
+    concurrency: int, count: int, one: Callable[[int], Awaitable[None]], on_done: Callable[[], None]
+) -> None:
+    """Run `one(i)` for i in 0..count-1, `concurrency` at a time, each client starting the next at once."""
+    next_index = 0
+
+    async def user() -> None:
+        nonlocal next_index
+        while next_index < count:
+            index = next_index
+            next_index += 1
+            await one(index)
+            on_done()
+
+    await asyncio.gather(*(user() for _ in range(min(concurrency, count))))
+
+
+async def streams(
+    http: httpx.AsyncClient,
+    target: Target,
+    *,
+    concurrency: int,
+    count: int,
+    tokens: int,
+    pace_ms: int,
+    ramp_seconds: float = 0.0,
+    on_done: Callable[[], None] = lambda: None,
+) -> list[StreamSample]:
+    """`count` streams, `concurrency` at a time; the first wave starts spread over `ramp_seconds`."""
+    model = model_name(tokens, pace_ms)
+    samples: list[StreamSample] = []
+
+    async def one(index: int) -> None:
+        if index < concurrency and ramp_seconds > 0:
+            await asyncio.sleep(ramp_seconds * index / concurrency)
+        samples.append(await stream_once(http, target, model, tokens))
+
+    await closed_loop(concurrency, count, one, on_done)
+    return samples
+
+
+@dataclass
+class Throughput:
+    """Short non-streaming requests completed in a fixed time."""
+
+    completed: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    first_error: str | None = None
+
+    @property
+    def per_second(self) -> float:
+        return self.completed / self.seconds if self.seconds else 0.0
+
+
+async def short_requests(
+    http: httpx.AsyncClient,
+    target: Target,
+    *,
+    background: bool,
+    concurrency: int,
+    seconds: float,
+    model: str,
+    poll_seconds: float = 0.05,
+    on_done: Callable[[], None] = lambda: None,
+) -> Throughput:
+    """As many short requests as complete in `seconds` with `concurrency` clients: foreground (one
+    request each), or background (create, then poll every `poll_seconds` until `completed`)."""
+    result = Throughput()
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    if target.api is Api.CHAT:
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
+    else:
+        body = orjson.dumps({"model": model, "input": "Hi.", "background": background})
+    url = target.url + _path(target)
+    deadline = time.perf_counter() + seconds
+
+    async def one() -> None:
+        started = time.perf_counter()
+        reply = await http.post(url, content=body, headers=headers)
+        status = _status(reply)
+        if background:
+            response_id = orjson.loads(reply.content).get("id") if reply.status_code == 200 else None
+            while status in ("queued", "in_progress") and response_id:
+                await asyncio.sleep(poll_seconds)
+                reply = await http.get(f"{target.url}/responses/{response_id}", headers=headers)
+                status = _status(reply)
+        if status == "completed":
+            result.completed += 1
+            result.latencies.append(time.perf_counter() - started)
+        else:
+            result.errors += 1
+            result.first_error = result.first_error or f"HTTP {reply.status_code}: {reply.text[:200]}"
+        on_done()
+
+    async def user() -> None:
+        while time.perf_counter() < deadline:
+            try:
+                await one()
+            except (httpx.HTTPError, OSError) as exc:
+                result.errors += 1
+                result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+
+    started = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(concurrency)))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _status(reply: httpx.Response) -> str:
+    if reply.status_code != 200:
+        return "error"
+    payload: dict[str, Any] = orjson.loads(reply.content)
+    if "choices" in payload:  # a chat completion
+        return "completed"
+    return str(payload.get("status"))

@@ -1,0 +1,123 @@
+"""What a bench run tells: `result.json`, a table on the terminal, and `latency.png` (latency against
+the number of concurrent streams, one line per system)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+import matplotlib.pyplot as plt
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+# The targets of issue 6 (a 2-core machine running upstream, respool and load together).
+TARGETS = {
+    "added TTFT p50 @1 (ms)": 5.0,
+    "added TTFT p99 @1 (ms)": 20.0,
+    "added gap p50 @1 (ms)": 1.0,
+    "streams held (64 tok, 20 ms)": 100,
+    "background short/s": 300,
+    "KB per stream, API": 100,
+    "KB per stream, worker": 100,
+}
+
+
+def write(result: dict[str, Any], out_dir: Path) -> None:
+    """Write the JSON and the PNG, and print the table."""
+    result["rows"] = rows(result)
+    (out_dir / "result.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    draw(result, out_dir / "latency.png")
+    print_table(result)
+
+
+def rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The headline figures: {row: {system: value}} (None where a system has no such figure)."""
+    table: dict[str, dict[str, Any]] = {}
+    concurrent = str(result["plan"]["concurrent"])
+    for name, system in result["systems"].items():
+        figures = {
+            "TTFT p50 @1 (ms)": _get(system, "latency", "1", "ttft_ms", "p50"),
+            "TTFT p99 @1 (ms)": _get(system, "latency", "1", "ttft_ms", "p99"),
+            "added TTFT p50 @1 (ms)": _get(system, "added", "1", "ttft_ms", "p50"),
+            "added TTFT p99 @1 (ms)": _get(system, "added", "1", "ttft_ms", "p99"),
+            "added gap p50 @1 (ms)": _get(system, "added", "1", "gap_ms", "p50"),
+            "added gap p99 @1 (ms)": _get(system, "added", "1", "gap_ms", "p99"),
+            f"added TTFT p50 @{concurrent} (ms)": _get(system, "added", concurrent, "ttft_ms", "p50"),
+            f"added TTFT p99 @{concurrent} (ms)": _get(system, "added", concurrent, "ttft_ms", "p99"),
+            f"added gap p50 @{concurrent} (ms)": _get(system, "added", concurrent, "gap_ms", "p50"),
+            f"added gap p99 @{concurrent} (ms)": _get(system, "added", concurrent, "gap_ms", "p99"),
+            "streams held (64 tok, 20 ms)": system.get("max_streams_held"),
+            "foreground short/s": _get(system, "short", "foreground", "per_second"),
+            "background short/s": _get(system, "short", "background", "per_second"),
+            "KB per stream, API": _get(system, "memory", "kb_per_stream", "api"),
+            "KB per stream, worker": _get(system, "memory", "kb_per_stream", "workers"),
+            "KB per stream, LiteLLM": _get(system, "memory", "kb_per_stream", "litellm"),
+        }
+        for row, value in figures.items():
+            table.setdefault(row, {})[name] = value
+    return table
+
+
+def _get(data: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def print_table(result: dict[str, Any]) -> None:
+    systems = list(result["systems"])
+    table = Table(title="respool bench (ms, per second, KB)")
+    table.add_column("", no_wrap=True)
+    for name in systems:
+        table.add_column(name, justify="right")
+    table.add_column("target", justify="right")
+    for row, values in result["rows"].items():
+        if all(value is None for value in values.values()):
+            continue
+        target = TARGETS.get(row)
+        table.add_row(
+            row, *(_cell(values.get(name)) for name in systems), "" if target is None else f"{target:g}"
+        )
+    console = Console()
+    console.print(table)
+    for name, why in result.get("skipped", {}).items():
+        console.print(f"{name}: skipped: {why}")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+    return str(value)
+
+
+def draw(result: dict[str, Any], path: Path) -> None:
+    """TTFT p50 and gap p99 against concurrent streams (64 tokens 20 ms apart), per system."""
+    figure, (ttft_axes, gap_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, system in result["systems"].items():
+        points = {int(level): summary for level, summary in system.get("levels", {}).items()}
+        if not points:
+            continue
+        levels = sorted(points)
+        ttft = [points[level]["ttft_ms"]["p50"] for level in levels]
+        gap = [points[level]["gap_ms"]["p99"] for level in levels]
+        ttft_axes.plot(levels, ttft, marker="o", label=name)
+        gap_axes.plot(levels, gap, marker="o", label=name)
+    ttft_axes.set(title="time to first token, p50", xlabel="concurrent streams", ylabel="ms", yscale="log")
+    gap_axes.set(title="gap between tokens, p99", xlabel="concurrent streams", ylabel="ms", yscale="log")
+    for axes in (ttft_axes, gap_axes):
+        axes.set_xscale("symlog", linthresh=10)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.suptitle(f"respool bench, {result['machine']['cpus']} CPUs, {result['machine']['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,209 @@
+"""`respool bench`: one run, on loopback, of the paced upstream called directly, respool in front of it
+(with one worker process, then two) and LiteLLM in front of it when installed; the scenarios are in
+api/bench/scenarios.py, the report in api/bench/report.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import platform
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from api.bench import litellm as litellm_
+from api.bench import load, scenarios
+from api.bench.load import Api, Target
+from api.bench.procs import Children, start_api, start_upstream, start_worker
+from api.bench.scenarios import Plan, System
+from worker.settings import Settings
+
+
+@dataclass
+class Respool:
+    """respool's processes: the API and its workers, and what they need."""
+
+    children: Children
+    env: dict[str, str]
+    api: psutil.Process
+    url: str
+    workers: list[psutil.Process] = field(default_factory=list)
+
+    def add_worker(self) -> None:
+        process = start_worker(self.children, self.env, len(self.workers) + 1)
+        self.workers.append(psutil.Process(process.pid))
+
+
+def run(
+    plan: Plan, out_dir: Path, litellm_path: str | None, servers: tuple[str, str] | None
+) -> dict[str, Any]:
+    """Run every scenario; write `result.json` and `latency.png` into `out_dir`; return the result."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    children = Children(log_dir)
+    with _servers(servers) as (redis_url, database_url), _stopping(children):
+        upstream_env = {**os.environ}
+        _, upstream_url = start_upstream(children, upstream_env)
+        respool = _start_respool(children, redis_url, database_url, upstream_url)
+        litellm = _start_litellm(litellm_path, upstream_url, log_dir)
+        try:
+            result = asyncio.run(_measure(plan, upstream_url, respool, litellm))
+        finally:
+            if isinstance(litellm, litellm_.LiteLLM):
+                litellm.stop()
+    result["machine"] = _machine(litellm)
+    result["plan"] = dataclasses.asdict(plan)
+    from api.bench import report  # matplotlib is imported only to draw
+
+    report.write(result, out_dir)
+    return result
+
+
+@contextmanager
+def _stopping(children: Children) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        children.stop_all()
+
+
+@contextmanager
+def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
+    """Redis and Postgres: the ones given, else embedded ones in a temporary dir (as `respool up`)."""
+    if given is not None:
+        yield given
+        return
+    from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+
+    data_dir = Path(tempfile.mkdtemp(prefix="respool-bench-"))
+    redis = EmbeddedRedis.start(data_dir)
+    try:
+        postgres = EmbeddedPostgres.start(data_dir)
+        try:
+            yield redis.url, postgres.url
+        finally:
+            postgres.stop()
+    finally:
+        redis.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _start_respool(children: Children, redis_url: str, database_url: str, upstream_url: str) -> Respool:
+    from worker.migrate import migrate
+
+    migrate(database_url)
+    env = {
+        **os.environ,
+        "RESPOOL_REDIS_URL": redis_url,
+        "RESPOOL_DATABASE_URL": database_url,
+        "RESPOOL_UPSTREAM_URL": upstream_url,
+        "RESPOOL_UPSTREAM_API": "chat",
+        "RESPOOL_QUEUE": f"bench-{uuid.uuid4().hex[:8]}",  # given servers may hold other queues
+    }
+    for name in ("RESPOOL_CONFIG", "RESPOOL_API_KEYS", "RESPOOL_UPSTREAM_API_KEY", "RESPOOL_MAX_QUEUE_DEPTH"):
+        env.pop(name, None)
+    port = _free_port()
+    api = start_api(children, env, port)
+    respool = Respool(children, env, psutil.Process(api.pid), f"http://127.0.0.1:{port}/v1")
+    respool.add_worker()
+    return respool
+
+
+def _start_litellm(path: str | None, upstream_url: str, log_dir: Path) -> litellm_.LiteLLM | str:
+    """LiteLLM in front of the upstream, or why not (`path` None: left out; "": looked up on PATH)."""
+    if path is None:
+        return "left out (--no-litellm)"
+    executable = litellm_.find_litellm(path or None)
+    if executable is None:
+        return "not installed (pip install 'litellm[proxy]', or --litellm PATH)"
+    try:
+        return litellm_.LiteLLM.start(executable, upstream_url, _free_port(), log_dir)
+    except litellm_.LiteLLMStartError as exc:
+        return f"did not start: {exc}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _machine(litellm: litellm_.LiteLLM | str) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "respool": version("respool"),
+        "litellm": litellm.version if isinstance(litellm, litellm_.LiteLLM) else litellm,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+# --- The scenarios ------------------------------------------------------------------------------
+
+
+async def _measure(
+    plan: Plan, upstream_url: str, respool: Respool, litellm: litellm_.LiteLLM | str
+) -> dict[str, Any]:
+    respool_url = respool.url
+    direct = System(Target("direct", upstream_url, Api.CHAT), {})
+    systems = [direct]
+    if isinstance(litellm, litellm_.LiteLLM):
+        proxy = psutil.Process(litellm.pid)
+        systems.append(
+            System(
+                Target("litellm", litellm.url, Api.RESPONSES),
+                {"litellm": [proxy, *proxy.children(recursive=True)]},
+            )
+        )
+    result: dict[str, Any] = {"systems": {}, "skipped": {}}
+    if isinstance(litellm, str):
+        result["skipped"]["litellm"] = litellm
+    http = load.client(4096)
+    with _progress() as progress:
+        try:
+            for count in plan.worker_counts:
+                while len(respool.workers) < count:
+                    respool.add_worker()
+                name = f"respool ({count} worker{'s' if count > 1 else ''})"
+                mine = System(
+                    Target(name, respool_url, Api.RESPONSES),
+                    {"api": [respool.api], "workers": list(respool.workers)},
+                )
+                # The direct upstream and LiteLLM do not change with respool's workers: measured once.
+                others = [system for system in systems if not system.result]
+                await scenarios.run_all(plan, http, progress, [*others, mine], direct)
+                systems.append(mine)
+        finally:
+            await http.aclose()
+    for system in systems:
+        result["systems"][system.target.name] = system.result
+    return result
+
+
+@contextmanager
+def _progress() -> Iterator[Progress]:
+    columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        yield progress
+
+
+def servers_from(settings: Settings) -> tuple[str, str] | None:
+    """Redis and Postgres named by the environment, if both are; else the bench embeds its own."""
+    return (settings.redis_url, settings.database_url) if settings.has_servers else None

@@ -1,0 +1,247 @@
+"""The scenarios of `respool bench` (api/bench/run.py), each against every system in turn, so all see
+the same machine at the same moment:
+1. memory: `memory_streams` streams in flight at once; the growth of each process's RSS over its
+   idle size, per stream (respool's API and workers, LiteLLM's process);
+2. latency at 1 and at 50 concurrent streams: TTFT and gaps between tokens, and what each proxy
+   adds to the direct upstream;
+3. held streams: levels of concurrent streams (64 tokens, 20 ms apart) until a system loses or
+   stalls a stream or adds 25 ms or more to the gap p99;
+4. short non-streaming responses per second: foreground, and (respool) background create + poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+from rich.progress import Progress
+
+from api.bench import load, stats
+from api.bench.load import Target
+
+HOLD_TOKENS, HOLD_PACE_MS = 64, 20
+MAX_ADDED_GAP_P99_MS = 25.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much load each scenario sends (bounded in count and time)."""
+
+    latency_tokens: int = 32
+    latency_pace_ms: int = 10
+    single_streams: int = 40  # one at a time
+    concurrent: int = 50
+    concurrent_streams: int = 150  # 50 at a time, each client starting its next at once
+    levels: tuple[int, ...] = (25, 50, 100, 150, 200, 300, 400)
+    hold_ramp_seconds: float = 0.5
+    short_seconds: float = 5.0
+    short_concurrency: int = 64
+    short_tokens: int = 8
+    poll_seconds: float = 0.05
+    memory_streams: int = 200
+    memory_tokens: int = 50
+    memory_pace_ms: int = 100
+    worker_counts: tuple[int, ...] = (1, 2)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        """A run of a few seconds a scenario, to see that everything works (not for figures)."""
+        return cls(
+            single_streams=5,
+            concurrent=5,
+            concurrent_streams=10,
+            levels=(5, 10),
+            short_seconds=1.0,
+            short_concurrency=8,
+            memory_streams=10,
+            memory_tokens=30,
+            memory_pace_ms=50,
+        )
+
+
+@dataclass
+class System:
+    """One target and the processes whose memory it is measured by."""
+
+    target: Target
+    processes: dict[str, list[psutil.Process]]
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_all(
+    plan: Plan, http: httpx.AsyncClient, progress: Progress, systems: list[System], direct: System
+) -> None:
+    await _warm_up(plan, http, systems)
+    for system in systems:
+        if system.processes:
+            system.result["memory"] = await _memory(plan, http, progress, system)
+    for concurrency, count in ((1, plan.single_streams), (plan.concurrent, plan.concurrent_streams)):
+        for system in systems:
+            summary = await _streams(
+                plan, http, progress, system, concurrency, count, plan.latency_tokens, plan.latency_pace_ms
+            )
+            system.result.setdefault("latency", {})[str(concurrency)] = summary
+    for system in systems:
+        if system is not direct:
+            system.result["added"] = {
+                level: stats.added(summary, direct.result["latency"][level])
+                for level, summary in system.result["latency"].items()
+            }
+    await _levels(plan, http, progress, systems, direct)
+    for system in systems:
+        system.result["short"] = await _short(plan, http, progress, system)
+
+
+async def _warm_up(plan: Plan, http: httpx.AsyncClient, systems: list[System]) -> None:
+    """A few streams and short requests through each system first: connections, caches, imports."""
+    for system in systems:
+        await load.streams(http, system.target, concurrency=4, count=8, tokens=4, pace_ms=1)
+        model = load.model_name(plan.short_tokens, 0)
+        await load.short_requests(
+            http, system.target, background=False, concurrency=4, seconds=0.3, model=model
+        )
+
+
+async def _streams(
+    plan: Plan,
+    http: httpx.AsyncClient,
+    progress: Progress,
+    system: System,
+    concurrency: int,
+    count: int,
+    tokens: int,
+    pace_ms: int,
+    ramp_seconds: float = 0.0,
+) -> dict[str, Any]:
+    task = progress.add_task(f"{system.target.name}: {concurrency} concurrent streams", total=count)
+    samples = await load.streams(
+        http,
+        system.target,
+        concurrency=concurrency,
+        count=count,
+        tokens=tokens,
+        pace_ms=pace_ms,
+        ramp_seconds=ramp_seconds,
+        on_done=lambda: progress.advance(task),
+    )
+    return stats.summarize(samples, tokens)
+
+
+async def _levels(
+    plan: Plan, http: httpx.AsyncClient, progress: Progress, systems: list[System], direct: System
+) -> None:
+    """Raise the number of concurrent streams level by level while some proxy still holds them.
+
+    The direct upstream runs each level once (first), as the baseline of every proxy at that level;
+    a system's `max_streams_held` is the highest level of an unbroken run of held levels.
+    """
+    proxies = [system for system in systems if system is not direct]
+    going = {system.target.name for system in proxies}
+    for system in [direct, *proxies]:
+        system.result.setdefault("levels", {})
+        system.result.setdefault("max_streams_held", 0)
+    for level in plan.levels:
+        if not going:
+            break
+        key = str(level)
+        active = [system for system in proxies if system.target.name in going]
+        if key not in direct.result["levels"]:
+            active.insert(0, direct)
+        for system in active:
+            summary = await _streams(
+                plan, http, progress, system, level, level, HOLD_TOKENS, HOLD_PACE_MS, plan.hold_ramp_seconds
+            )
+            summary["added"] = stats.added(summary, direct.result["levels"].get(key, summary))
+            summary["held"] = stats.is_held(summary, summary["added"], MAX_ADDED_GAP_P99_MS)
+            system.result["levels"][key] = summary
+            if summary["held"] and system.result["max_streams_held"] == _previous(plan.levels, level):
+                system.result["max_streams_held"] = level
+            elif not summary["held"]:
+                going.discard(system.target.name)
+
+
+def _previous(levels: tuple[int, ...], level: int) -> int:
+    index = levels.index(level)
+    return levels[index - 1] if index else 0
+
+
+async def _short(plan: Plan, http: httpx.AsyncClient, progress: Progress, system: System) -> dict[str, Any]:
+    model = load.model_name(plan.short_tokens, 0)
+    modes = [False, True] if system.target.name.startswith("respool") else [False]
+    result: dict[str, Any] = {}
+    for background in modes:
+        kind = "background" if background else "foreground"
+        task = progress.add_task(f"{system.target.name}: short {kind} requests", total=None)
+        measured = await load.short_requests(
+            http,
+            system.target,
+            background=background,
+            concurrency=plan.short_concurrency,
+            seconds=plan.short_seconds,
+            model=model,
+            poll_seconds=plan.poll_seconds,
+            on_done=lambda task=task: progress.advance(task),  # type: ignore[misc]
+        )
+        progress.update(task, total=measured.completed + measured.errors)
+        result[kind] = {
+            "per_second": round(measured.per_second, 1),
+            "completed": measured.completed,
+            "errors": measured.errors,
+            "first_error": measured.first_error,
+            "latency_ms": {
+                "p50": _ms(stats.percentile(measured.latencies, 50)),
+                "p99": _ms(stats.percentile(measured.latencies, 99)),
+            },
+        }
+    return result
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+async def _memory(plan: Plan, http: httpx.AsyncClient, progress: Progress, system: System) -> dict[str, Any]:
+    """RSS growth per in-flight stream: each process's RSS with `memory_streams` streams in flight
+    (sampled mid-stream) over its RSS just before, divided by the number of streams."""
+    before = _rss(system.processes)
+    streams = plan.memory_streams
+    seconds = plan.memory_tokens * plan.memory_pace_ms / 1000
+    ramp = min(1.0, seconds / 4)
+    task = progress.add_task(f"{system.target.name}: {streams} streams in flight (memory)", total=streams)
+    running = asyncio.ensure_future(
+        load.streams(
+            http,
+            system.target,
+            concurrency=streams,
+            count=streams,
+            tokens=plan.memory_tokens,
+            pace_ms=plan.memory_pace_ms,
+            ramp_seconds=ramp,
+            on_done=lambda: progress.advance(task),
+        )
+    )
+    await asyncio.sleep(ramp + (seconds - ramp) / 2)
+    during = _rss(system.processes)
+    in_flight = streams - progress.tasks[task].completed
+    samples = await running
+    summary = stats.summarize(samples, plan.memory_tokens)
+    return {
+        "streams": streams,
+        "in_flight_when_measured": int(in_flight),
+        "clean": summary["clean"],
+        "kb_per_stream": {
+            name: round((during[name] - before[name]) / 1024 / max(1, int(in_flight)), 1) for name in before
+        },
+        "rss_mb": {
+            name: {"idle": round(before[name] / 2**20, 1), "loaded": round(during[name] / 2**20, 1)}
+            for name in before
+        },
+    }
+
+
+def _rss(processes: dict[str, list[psutil.Process]]) -> dict[str, int]:
+    """Each group's resident memory in bytes (a group's processes summed)."""
+    return {name: sum(process.memory_info().rss for process in group) for name, group in processes.items()}
