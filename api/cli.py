@@ -133,8 +133,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
 def _uvicorn_logging(settings: Settings) -> dict[str, Any]:
     """uvicorn's own logging in text mode; in JSON mode none, so its records reach our JSON handler."""
     if settings.log_format == "json":
-        return {"log_config": None, "log_level": "info"}
-    return {"log_level": "info"}
+        return {"log_config": None, "log_level": "info", "access_log": settings.access_log}
+    return {"log_level": "info", "access_log": settings.access_log}
 
 
 def _require_servers(settings: Settings) -> None:

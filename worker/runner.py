@@ -7,10 +7,11 @@ Postgres is the authority: the terminal event follows the commit, and a cancel r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
@@ -37,7 +38,7 @@ from worker.events import (
 )
 from worker.lease import Lease, Leases
 from worker.metrics import WorkerMetrics
-from worker.response import TERMINAL, Status, failed, finished, with_status
+from worker.response import TERMINAL, Status, failed, finished
 from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
@@ -135,6 +136,10 @@ class ResponseWriter:
 
     An append that meets an unreachable Redis is retried for up to `patience` seconds (the lease's
     time to live: past it the lease is gone and the append would be fenced anyway).
+
+    `send` does not wait: events sent while an append is in flight go together in the next one
+    (DESIGN.md §7, natural batching), so a fast upstream costs a round trip per batch, not per
+    chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
     """
 
     def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
@@ -144,6 +149,46 @@ class ResponseWriter:
         self.patience = patience
         self.started_at = time.monotonic()
         self.first_output_at: float | None = None
+        self._pending: list[dict[str, Any]] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def send(self, events: list[dict[str, Any]]) -> None:
+        """Append `events` after those sent before, without waiting (see `drain`)."""
+        if self._flushing is not None and self._flushing.done():
+            flushed, self._flushing = self._flushing, None
+            flushed.result()  # raise what the last append met
+        self._pending += events
+        if self._flushing is None and self._pending:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def drain(self) -> None:
+        """Wait until everything sent has landed; raise what an append met."""
+        if self._flushing is not None:
+            flushing, self._flushing = self._flushing, None
+            await flushing
+
+    async def settle(self) -> None:
+        """Wait until what was sent is appended or an append fails, whatever it meets: then
+        `next_sequence` is where the stream ends."""
+        if self._flushing is not None:
+            flushing, self._flushing = self._flushing, None
+            with contextlib.suppress(Exception):
+                await flushing
+
+    async def abandon(self) -> None:
+        """Stop appending what was sent (the attempt is over). An append already sent may still land:
+        whoever writes next reads where the stream ends (`_ensure_terminal`)."""
+        self._pending.clear()
+        if self._flushing is not None:
+            flushing, self._flushing = self._flushing, None
+            flushing.cancel()
+            with contextlib.suppress(BaseException):
+                await flushing
+
+    async def _flush(self) -> None:
+        while self._pending:
+            events, self._pending = self._pending, []
+            await self.emit(events)
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
         """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
@@ -255,21 +300,15 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
 
 async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     response_id = lease.response_id
-    stored = await _patiently(rt, partial(_read, rt, response_id))
-    if stored is None:
-        return  # deleted before it ran
+    stored = await _patiently(rt, partial(_start, rt, lease))
     last = await last_event(rt.redis, response_id)
     writer = ResponseWriter(
         rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
     )
-    if stored.status in TERMINAL:
-        await _ensure_terminal(rt, writer, stored.response, last)
-        return
-    response = with_status(stored.response, Status.IN_PROGRESS)
-    started = await _patiently(rt, partial(_mark_in_progress, rt, lease, response))
-    if not started:
+    if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
         await _end_as_stored(rt, writer)
         return
+    response = stored.response
     if lease.attempt > 1 and last is not None and last.type != "response.queued":
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
     if last is not None and last.type not in _BEFORE_OUTPUT:
@@ -304,8 +343,8 @@ async def _produce(
     """The final Response of this attempt, or None when it was cancelled."""
     rt.generating.add(stored.id)
     try:
-        if not announced:
-            await writer.emit([{"type": "response.in_progress", "response": response}])
+        if not announced:  # appended while the upstream call starts
+            writer.send([{"type": "response.in_progress", "response": response}])
         outcome = await _generate(rt, writer, stored)
     except CancelRequested:
         rt.metrics.cancels.inc()
@@ -317,12 +356,14 @@ async def _produce(
         rt.metrics.cancels.inc()
         return None
     except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
+        await writer.settle()  # what was sent lands before the failure is told
         log.info("response %s failed: %s", stored.id, exc)
         rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
         streamed = exc.output if isinstance(exc, UpstreamFailed) else []
         return failed(response, f"The upstream model failed: {exc}", int(time.time()), output=streamed)
     finally:
         rt.generating.discard(stored.id)
+        await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
     return finished(
         response,
         Status(outcome.status),
@@ -351,7 +392,7 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
     return await _translate(writer, chunks, translate, finish, chat_state.output)
 
 
-def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
     if route.api is UpstreamApi.SYNTHETIC:
         return synthetic_chunks(body, rt.synthetic_delay_seconds)
     return stream_json(rt.http, route, "/chat/completions", body, rt.retry)
@@ -362,22 +403,31 @@ Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
 
 async def _translate(
     writer: ResponseWriter,
-    payloads: AsyncIterator[dict[str, Any]],
+    payloads: AsyncGenerator[dict[str, Any]],
     translate: Callable[[dict[str, Any]], list[dict[str, Any]]],
     finish: Finish,
     out: output.Output,
 ) -> chat_stream.Outcome:
     """Append the events of every upstream payload, then the closing ones; the outcome.
 
+    The next payload is read while the last one's events are being appended (`ResponseWriter.send`).
     An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
+    However the loop ends (a cancel, a fence), the upstream call is closed at once, not when the
+    garbage collector gets to it.
     """
     try:
-        async for payload in payloads:
-            await _emit(writer, translate(payload))
+        async with contextlib.aclosing(payloads):
+            async for payload in payloads:
+                writer.send(translate(payload))
         events, outcome = finish()
     except _UPSTREAM_FAULTS as exc:
+        await writer.drain()
         raise await _fail_mid_stream(writer, out, exc) from exc
-    await _emit(writer, events)
+    except BaseException:
+        await writer.abandon()
+        raise
+    writer.send(events)
+    await writer.drain()
     return outcome
 
 
@@ -432,6 +482,8 @@ async def _ensure_terminal(
     """Append the terminal event unless the stream already ends with one (the caller holds the lease)."""
     if last is not None and last.is_terminal:
         return
+    if last is not None:  # an append of an abandoned batch may have landed after the writer counted
+        writer.next_sequence = last.sequence_number + 1
     await writer.emit([terminal_event(response)], final=True)
     await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
 
@@ -462,9 +514,10 @@ async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
         return await store.get_response(conn, response_id)
 
 
-async def _mark_in_progress(rt: Runtime, lease: Lease, response: dict[str, Any]) -> bool:
+async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:
+    """The row, moved to `in_progress` under this attempt; None if it may not run (store.start_attempt)."""
     async with rt.autocommit.connect() as conn:
-        return await store.mark_in_progress(conn, lease.response_id, lease.attempt, response)
+        return await store.start_attempt(conn, lease.response_id, lease.attempt)
 
 
 async def _record_final(

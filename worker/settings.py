@@ -42,6 +42,8 @@ class Settings(BaseSettings):
 
     # Logs: "text", or "json" (one object a line, with request and response ids).
     log_format: Literal["text", "json"] = "text"
+    # uvicorn's access log, a line a request (the API's own warnings and errors are logged either way).
+    access_log: bool = True
 
     # Worker.
     workers: int = 1

@@ -89,7 +89,7 @@ _INSERT = insert(ResponseRow)
 _INSERT_ITEMS = insert(InputItemRow)
 _SELECT = select(*_COLUMNS).where(ResponseRow.id == bindparam("rid"))
 _SELECT_OWNED = _SELECT.where(ResponseRow.owner == bindparam("owned_by"))
-_MARK_IN_PROGRESS = (
+_START_ATTEMPT = (
     update(ResponseRow)
     .where(
         ResponseRow.id == bindparam("rid"),
@@ -99,9 +99,10 @@ _MARK_IN_PROGRESS = (
     .values(
         status=Status.IN_PROGRESS,
         attempt=bindparam("new_attempt"),
-        response=bindparam("new_response"),
+        response=ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.IN_PROGRESS))),
         started_at=func.now(),
     )
+    .returning(*_COLUMNS)
 )
 _MARK_FINISHED = (
     update(ResponseRow)
@@ -146,13 +147,12 @@ async def get_response(
     return StoredResponse(**{**row._asdict(), "status": Status(row.status)})
 
 
-async def mark_in_progress(
-    conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
-) -> bool:
-    """Move a live row to `in_progress` under `attempt`; False if it is terminal or a later attempt owns it."""
-    parameters = {"rid": response_id, "new_attempt": attempt, "new_response": response}
-    result = await conn.execute(_MARK_IN_PROGRESS, parameters)
-    return result.rowcount == 1
+async def start_attempt(conn: AsyncConnection, response_id: str, attempt: int) -> StoredResponse | None:
+    """Move a live row to `in_progress` under `attempt` and read it, in one statement; None if it
+    is gone, terminal, or a later attempt owns it (then `get_response` tells which)."""
+    result = await conn.execute(_START_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
+    row = result.one_or_none()
+    return None if row is None else StoredResponse(**{**row._asdict(), "status": Status(row.status)})
 
 
 async def mark_finished(

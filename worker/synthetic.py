@@ -7,7 +7,7 @@ Chat Completions server's. Its pace is `RESPOOL_SYNTHETIC_DELAY_SECONDS` between
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 PREAMBLE = "This is respool's synthetic model. You said:"
@@ -33,7 +33,7 @@ def _text(content: Any) -> str:
 
 async def synthetic_chunks(
     chat_request: dict[str, Any], delay_seconds: float
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any]]:
     """The reply as Chat Completions chunks, one word each, then a usage chunk."""
     words = reply_text(chat_request).split(" ")
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in chat_request.get("messages", []))

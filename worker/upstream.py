@@ -23,7 +23,7 @@ import logging
 import math
 import random
 from asyncio import sleep
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -125,7 +125,7 @@ async def stream_json(
     path: str,
     body: dict[str, Any],
     policy: RetryPolicy = DEFAULT_RETRY,
-) -> AsyncIterator[Payload]:
+) -> AsyncGenerator[Payload]:
     """POST `body` to `route.base_url + path` and yield each SSE `data:` payload as JSON.
 
     Transient faults before the first payload are retried under `policy`; after it, every fault is

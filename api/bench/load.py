@@ -100,7 +100,7 @@ async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expec
                 buffer += chunk
                 *frames, buffer = buffer.split(b"\n\n")
                 for frame in frames:
-                    count = _tokens_in(frame, is_chat)
+                    count = tokens_in(frame, is_chat)
                     if count:
                         if last is None:
                             sample.ttft = now - started
@@ -111,7 +111,7 @@ async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expec
                         sample.gaps.extend([0.0] * (count - 1))
                         sample.tokens += count
                         last = now
-                    elif _is_end(frame, is_chat):
+                    elif is_end(frame, is_chat):
                         ended = True
                     elif not is_chat and any(kind in frame for kind in _RESPONSE_FAILS):
                         sample.error = frame.decode(errors="replace")[:300]
@@ -125,13 +125,13 @@ async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expec
     return sample
 
 
-def _tokens_in(frame: bytes, is_chat: bool) -> int:
+def tokens_in(frame: bytes, is_chat: bool) -> int:
     if is_chat:
         return frame.count(TOKEN)
     return frame.count(TOKEN) if _DELTA in frame else 0
 
 
-def _is_end(frame: bytes, is_chat: bool) -> bool:
+def is_end(frame: bytes, is_chat: bool) -> bool:
     if is_chat:
         return b"[DONE]" in frame
     return b'"response.completed"' in frame

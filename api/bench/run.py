@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import uvloop
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.bench import litellm as litellm_
@@ -60,7 +61,8 @@ def run(
         respool = _start_respool(children, redis_url, database_url, upstream_url)
         litellm = _start_litellm(litellm_path, upstream_url, log_dir)
         try:
-            result = asyncio.run(_measure(plan, upstream_url, respool, litellm))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                result = runner.run(_measure(plan, upstream_url, respool, litellm))
         finally:
             if isinstance(litellm, litellm_.LiteLLM):
                 litellm.stop()
@@ -112,6 +114,7 @@ def _start_respool(children: Children, redis_url: str, database_url: str, upstre
         "RESPOOL_UPSTREAM_URL": upstream_url,
         "RESPOOL_UPSTREAM_API": "chat",
         "RESPOOL_QUEUE": f"bench-{uuid.uuid4().hex[:8]}",  # given servers may hold other queues
+        "RESPOOL_ACCESS_LOG": "false",  # as LiteLLM runs here (api/bench/litellm.py): no line a request
     }
     for name in ("RESPOOL_CONFIG", "RESPOOL_API_KEYS", "RESPOOL_UPSTREAM_API_KEY", "RESPOOL_MAX_QUEUE_DEPTH"):
         env.pop(name, None)

@@ -38,9 +38,10 @@ class Plan:
     levels: tuple[int, ...] = (25, 50, 100, 150, 200, 300, 400)
     hold_ramp_seconds: float = 0.5
     short_seconds: float = 5.0
-    short_concurrency: int = 64
+    short_concurrency: int = 64  # foreground clients
+    background_concurrency: int = 256  # background clients, each polling every `poll_seconds`
     short_tokens: int = 8
-    poll_seconds: float = 0.05
+    poll_seconds: float = 0.25
     memory_streams: int = 200
     memory_tokens: int = 50
     memory_pace_ms: int = 100
@@ -56,6 +57,7 @@ class Plan:
             levels=(5, 10),
             short_seconds=1.0,
             short_concurrency=8,
+            background_concurrency=16,
             memory_streams=10,
             memory_tokens=30,
             memory_pace_ms=50,
@@ -179,7 +181,7 @@ async def _short(plan: Plan, http: httpx.AsyncClient, progress: Progress, system
             http,
             system.target,
             background=background,
-            concurrency=plan.short_concurrency,
+            concurrency=plan.background_concurrency if background else plan.short_concurrency,
             seconds=plan.short_seconds,
             model=model,
             poll_seconds=plan.poll_seconds,
@@ -230,6 +232,7 @@ async def _memory(plan: Plan, http: httpx.AsyncClient, progress: Progress, syste
     summary = stats.summarize(samples, plan.memory_tokens)
     return {
         "streams": streams,
+        "processes": {name: len(group) for name, group in system.processes.items()},
         "in_flight_when_measured": int(in_flight),
         "clean": summary["clean"],
         "kb_per_stream": {

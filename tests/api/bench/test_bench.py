@@ -1,0 +1,95 @@
+"""`respool bench` end to end (a `--quick` run, real processes), and its arithmetic.
+
+The figures of a quick run mean nothing (the machine is busy with tests): what is checked is that
+every scenario ran against every system, every stream was clean and every figure is there, with
+the JSON, the table and the PNG written. Speed is never asserted (STYLE.md 17).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.bench import stats
+from api.bench.litellm import find_litellm
+from api.bench.load import StreamSample, is_end, tokens_in
+from tests.support.stack import ROOT, Servers
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([3.0], 99) == 3.0
+    assert stats.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert stats.percentile([float(i) for i in range(101)], 99) == 99.0
+
+
+def test_added_is_the_difference_of_percentiles_and_held_needs_every_stream_clean() -> None:
+    direct = stats.summarize([StreamSample(tokens=2, ttft=0.002, gaps=[0.020])], 2)
+    proxy = stats.summarize([StreamSample(tokens=2, ttft=0.007, gaps=[0.021])], 2)
+    added = stats.added(proxy, direct)
+    assert added["ttft_ms"] == {"p50": 5.0, "p99": 5.0}
+    assert added["gap_ms"]["p50"] == pytest.approx(1.0)
+    assert stats.is_held(proxy, added, 25.0)
+    lost = stats.summarize([StreamSample(tokens=1, ttft=0.007, gaps=[], error="1 tokens of 2")], 2)
+    assert not stats.is_held(lost, stats.added(lost, direct), 25.0)
+    slow = stats.summarize([StreamSample(tokens=2, ttft=0.007, gaps=[0.060], max_gap=0.06)], 2)
+    assert not stats.is_held(slow, stats.added(slow, direct), 25.0)
+
+
+def test_tokens_are_counted_in_delta_frames_only() -> None:
+    """A Responses stream repeats the text in its `.done` and `completed` events: only deltas count."""
+    delta = (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"tok tok "}'
+    )
+    done = b'event: response.output_text.done\ndata: {"type":"response.output_text.done","text":"tok tok "}'
+    completed = b'event: response.completed\ndata: {"type":"response.completed"}'
+    assert (tokens_in(delta, False), tokens_in(done, False), tokens_in(completed, False)) == (2, 0, 0)
+    assert is_end(completed, False)
+    assert not is_end(done, False)
+    assert tokens_in(b'data: {"choices":[{"delta":{"content":"tok "}}]}', True) == 1
+    assert is_end(b"data: [DONE]", True)
+
+
+@pytest.mark.integration
+def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -> None:
+    """One worker, then two; LiteLLM too where it is installed (CI installs it)."""
+    out = tmp_path / "bench"
+    env = {
+        **os.environ,
+        "RESPOOL_REDIS_URL": backing.redis_url,
+        "RESPOOL_DATABASE_URL": backing.database_url,
+        "COLUMNS": "160",
+    }
+    litellm = find_litellm(os.environ.get("RESPOOL_BENCH_LITELLM"))
+    command = [sys.executable, "-m", "api", "bench", "--quick", "--out", str(out)]
+    command += ["--litellm", str(litellm)] if litellm else ["--no-litellm"]
+    finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "respool bench" in finished.stdout  # the table's title
+
+    result = json.loads((out / "result.json").read_text())
+    names = {"direct", "respool (1 worker)", "respool (2 workers)"} | ({"litellm"} if litellm else set())
+    assert set(result["systems"]) == names
+    for name, system in result["systems"].items():
+        for level, summary in system["latency"].items():
+            assert summary["clean"] == summary["streams"] > 0, (name, level, summary["first_error"])
+            assert summary["ttft_ms"]["p50"] > 0
+        assert system["levels"], name
+        assert system["short"]["foreground"]["completed"] > 0, (name, system["short"])
+        if name.startswith("respool"):
+            assert system["short"]["background"]["completed"] > 0, system["short"]
+            assert system["short"]["background"]["errors"] == 0, system["short"]
+            memory = system["memory"]
+            assert memory["in_flight_when_measured"] == memory["streams"] == memory["clean"]
+            assert set(memory["kb_per_stream"]) == {"api", "workers"}
+        if name != "direct":
+            assert {"ttft_ms", "gap_ms"} <= set(system["added"]["1"])
+    assert result["systems"]["respool (2 workers)"]["memory"]["processes"] == {"api": 1, "workers": 2}
+    assert (out / "latency.png").read_bytes().startswith(PNG_MAGIC)
