@@ -121,7 +121,10 @@ class Tailer:
                 if until is not None:
                     timeout = min(timeout or math.inf, max(0.0, until - loop.time()))
                 try:
-                    event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+                    if subscriber.queue.empty():
+                        event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+                    else:  # a batch arrived: no timer for each of its events
+                        event = subscriber.queue.get_nowait()
                 except TimeoutError:
                     if until is not None and loop.time() >= until:
                         return

@@ -155,7 +155,6 @@ async def closed_loop(
 
 
 async def streams(
-    http: httpx.AsyncClient,
     target: Target,
     *,
     concurrency: int,
@@ -165,16 +164,20 @@ async def streams(
     ramp_seconds: float = 0.0,
     on_done: Callable[[], None] = lambda: None,
 ) -> list[StreamSample]:
-    """`count` streams, `concurrency` at a time; the first wave starts spread over `ramp_seconds`."""
+    """`count` streams, `concurrency` at a time; the first wave starts spread over `ramp_seconds`.
+
+    Each run has a client of its own: httpx's pool is slow to search once it holds hundreds of
+    connections, which would make the load generator the bottleneck of later runs."""
     model = model_name(tokens, pace_ms)
     samples: list[StreamSample] = []
+    async with client(concurrency) as http:
 
-    async def one(index: int) -> None:
-        if index < concurrency and ramp_seconds > 0:
-            await asyncio.sleep(ramp_seconds * index / concurrency)
-        samples.append(await stream_once(http, target, model, tokens))
+        async def one(index: int) -> None:
+            if index < concurrency and ramp_seconds > 0:
+                await asyncio.sleep(ramp_seconds * index / concurrency)
+            samples.append(await stream_once(http, target, model, tokens))
 
-    await closed_loop(concurrency, count, one, on_done)
+        await closed_loop(concurrency, count, one, on_done)
     return samples
 
 
@@ -194,7 +197,6 @@ class Throughput:
 
 
 async def short_requests(
-    http: httpx.AsyncClient,
     target: Target,
     *,
     background: bool,
@@ -241,9 +243,10 @@ async def short_requests(
                 result.errors += 1
                 result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
 
-    started = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
-    result.seconds = time.perf_counter() - started
+    async with client(concurrency) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        result.seconds = time.perf_counter() - started
     return result
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import platform
 import shutil
@@ -25,7 +26,7 @@ import uvloop
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.bench import litellm as litellm_
-from api.bench import load, scenarios
+from api.bench import scenarios
 from api.bench.load import Api, Target
 from api.bench.procs import Children, start_api, start_upstream, start_worker
 from api.bench.scenarios import Plan, System
@@ -51,6 +52,10 @@ def run(
     plan: Plan, out_dir: Path, litellm_path: str | None, servers: tuple[str, str] | None
 ) -> dict[str, Any]:
     """Run every scenario; write `result.json` and `latency.png` into `out_dir`; return the result."""
+    # The load generator's own client must not log a line a request (httpx does at INFO): that
+    # would cost more CPU than a request, on the machine under test.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"
     log_dir.mkdir(exist_ok=True)
@@ -178,23 +183,19 @@ async def _measure(
     result: dict[str, Any] = {"systems": {}, "skipped": {}}
     if isinstance(litellm, str):
         result["skipped"]["litellm"] = litellm
-    http = load.client(4096)
     with _progress() as progress:
-        try:
-            for count in plan.worker_counts:
-                while len(respool.workers) < count:
-                    respool.add_worker()
-                name = f"respool ({count} worker{'s' if count > 1 else ''})"
-                mine = System(
-                    Target(name, respool_url, Api.RESPONSES),
-                    {"api": [respool.api], "workers": list(respool.workers)},
-                )
-                # The direct upstream and LiteLLM do not change with respool's workers: measured once.
-                others = [system for system in systems if not system.result]
-                await scenarios.run_all(plan, http, progress, [*others, mine], direct)
-                systems.append(mine)
-        finally:
-            await http.aclose()
+        for count in plan.worker_counts:
+            while len(respool.workers) < count:
+                respool.add_worker()
+            name = f"respool ({count} worker{'s' if count > 1 else ''})"
+            mine = System(
+                Target(name, respool_url, Api.RESPONSES),
+                {"api": [respool.api], "workers": list(respool.workers)},
+            )
+            # The direct upstream and LiteLLM do not change with respool's workers: measured once.
+            others = [system for system in systems if not system.result]
+            await scenarios.run_all(plan, progress, [*others, mine], direct)
+            systems.append(mine)
     for system in systems:
         result["systems"][system.target.name] = system.result
     return result
@@ -203,7 +204,7 @@ async def _measure(
 @contextmanager
 def _progress() -> Iterator[Progress]:
     columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as progress:
+    with Progress(*columns, transient=True, refresh_per_second=4) as progress:
         yield progress
 
 

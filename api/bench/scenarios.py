@@ -12,10 +12,11 @@ the same machine at the same moment:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import psutil
 from rich.progress import Progress
 
@@ -73,17 +74,15 @@ class System:
     result: dict[str, Any] = field(default_factory=dict)
 
 
-async def run_all(
-    plan: Plan, http: httpx.AsyncClient, progress: Progress, systems: list[System], direct: System
-) -> None:
-    await _warm_up(plan, http, systems)
+async def run_all(plan: Plan, progress: Progress, systems: list[System], direct: System) -> None:
+    await _warm_up(plan, systems)
     for system in systems:
         if system.processes:
-            system.result["memory"] = await _memory(plan, http, progress, system)
+            system.result["memory"] = await _memory(plan, progress, system)
     for concurrency, count in ((1, plan.single_streams), (plan.concurrent, plan.concurrent_streams)):
         for system in systems:
             summary = await _streams(
-                plan, http, progress, system, concurrency, count, plan.latency_tokens, plan.latency_pace_ms
+                plan, progress, system, concurrency, count, plan.latency_tokens, plan.latency_pace_ms
             )
             system.result.setdefault("latency", {})[str(concurrency)] = summary
     for system in systems:
@@ -92,24 +91,21 @@ async def run_all(
                 level: stats.added(summary, direct.result["latency"][level])
                 for level, summary in system.result["latency"].items()
             }
-    await _levels(plan, http, progress, systems, direct)
+    await _levels(plan, progress, systems, direct)
     for system in systems:
-        system.result["short"] = await _short(plan, http, progress, system)
+        system.result["short"] = await _short(plan, progress, system)
 
 
-async def _warm_up(plan: Plan, http: httpx.AsyncClient, systems: list[System]) -> None:
+async def _warm_up(plan: Plan, systems: list[System]) -> None:
     """A few streams and short requests through each system first: connections, caches, imports."""
     for system in systems:
-        await load.streams(http, system.target, concurrency=4, count=8, tokens=4, pace_ms=1)
+        await load.streams(system.target, concurrency=4, count=8, tokens=4, pace_ms=1)
         model = load.model_name(plan.short_tokens, 0)
-        await load.short_requests(
-            http, system.target, background=False, concurrency=4, seconds=0.3, model=model
-        )
+        await load.short_requests(system.target, background=False, concurrency=4, seconds=0.3, model=model)
 
 
 async def _streams(
     plan: Plan,
-    http: httpx.AsyncClient,
     progress: Progress,
     system: System,
     concurrency: int,
@@ -118,23 +114,20 @@ async def _streams(
     pace_ms: int,
     ramp_seconds: float = 0.0,
 ) -> dict[str, Any]:
-    task = progress.add_task(f"{system.target.name}: {concurrency} concurrent streams", total=count)
-    samples = await load.streams(
-        http,
-        system.target,
-        concurrency=concurrency,
-        count=count,
-        tokens=tokens,
-        pace_ms=pace_ms,
-        ramp_seconds=ramp_seconds,
-        on_done=lambda: progress.advance(task),
-    )
+    with _step(progress, f"{system.target.name}: {concurrency} concurrent streams", count) as advance:
+        samples = await load.streams(
+            system.target,
+            concurrency=concurrency,
+            count=count,
+            tokens=tokens,
+            pace_ms=pace_ms,
+            ramp_seconds=ramp_seconds,
+            on_done=advance,
+        )
     return stats.summarize(samples, tokens)
 
 
-async def _levels(
-    plan: Plan, http: httpx.AsyncClient, progress: Progress, systems: list[System], direct: System
-) -> None:
+async def _levels(plan: Plan, progress: Progress, systems: list[System], direct: System) -> None:
     """Raise the number of concurrent streams level by level while some proxy still holds them.
 
     The direct upstream runs each level once (first), as the baseline of every proxy at that level;
@@ -154,7 +147,7 @@ async def _levels(
             active.insert(0, direct)
         for system in active:
             summary = await _streams(
-                plan, http, progress, system, level, level, HOLD_TOKENS, HOLD_PACE_MS, plan.hold_ramp_seconds
+                plan, progress, system, level, level, HOLD_TOKENS, HOLD_PACE_MS, plan.hold_ramp_seconds
             )
             summary["added"] = stats.added(summary, direct.result["levels"].get(key, summary))
             summary["held"] = stats.is_held(summary, summary["added"], MAX_ADDED_GAP_P99_MS)
@@ -170,24 +163,22 @@ def _previous(levels: tuple[int, ...], level: int) -> int:
     return levels[index - 1] if index else 0
 
 
-async def _short(plan: Plan, http: httpx.AsyncClient, progress: Progress, system: System) -> dict[str, Any]:
+async def _short(plan: Plan, progress: Progress, system: System) -> dict[str, Any]:
     model = load.model_name(plan.short_tokens, 0)
     modes = [False, True] if system.target.name.startswith("respool") else [False]
     result: dict[str, Any] = {}
     for background in modes:
         kind = "background" if background else "foreground"
-        task = progress.add_task(f"{system.target.name}: short {kind} requests", total=None)
-        measured = await load.short_requests(
-            http,
-            system.target,
-            background=background,
-            concurrency=plan.background_concurrency if background else plan.short_concurrency,
-            seconds=plan.short_seconds,
-            model=model,
-            poll_seconds=plan.poll_seconds,
-            on_done=lambda task=task: progress.advance(task),  # type: ignore[misc]
-        )
-        progress.update(task, total=measured.completed + measured.errors)
+        with _step(progress, f"{system.target.name}: short {kind} requests", None) as advance:
+            measured = await load.short_requests(
+                system.target,
+                background=background,
+                concurrency=plan.background_concurrency if background else plan.short_concurrency,
+                seconds=plan.short_seconds,
+                model=model,
+                poll_seconds=plan.poll_seconds,
+                on_done=advance,
+            )
         result[kind] = {
             "per_second": round(measured.per_second, 1),
             "completed": measured.completed,
@@ -205,30 +196,36 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 2)
 
 
-async def _memory(plan: Plan, http: httpx.AsyncClient, progress: Progress, system: System) -> dict[str, Any]:
+async def _memory(plan: Plan, progress: Progress, system: System) -> dict[str, Any]:
     """RSS growth per in-flight stream: each process's RSS with `memory_streams` streams in flight
     (sampled mid-stream) over its RSS just before, divided by the number of streams."""
     before = _rss(system.processes)
     streams = plan.memory_streams
     seconds = plan.memory_tokens * plan.memory_pace_ms / 1000
     ramp = min(1.0, seconds / 4)
-    task = progress.add_task(f"{system.target.name}: {streams} streams in flight (memory)", total=streams)
-    running = asyncio.ensure_future(
-        load.streams(
-            http,
-            system.target,
-            concurrency=streams,
-            count=streams,
-            tokens=plan.memory_tokens,
-            pace_ms=plan.memory_pace_ms,
-            ramp_seconds=ramp,
-            on_done=lambda: progress.advance(task),
+    done = 0
+
+    def finished() -> None:
+        nonlocal done
+        done += 1
+        advance()
+
+    with _step(progress, f"{system.target.name}: {streams} streams in flight (memory)", streams) as advance:
+        running = asyncio.ensure_future(
+            load.streams(
+                system.target,
+                concurrency=streams,
+                count=streams,
+                tokens=plan.memory_tokens,
+                pace_ms=plan.memory_pace_ms,
+                ramp_seconds=ramp,
+                on_done=finished,
+            )
         )
-    )
-    await asyncio.sleep(ramp + (seconds - ramp) / 2)
-    during = _rss(system.processes)
-    in_flight = streams - progress.tasks[task].completed
-    samples = await running
+        await asyncio.sleep(ramp + (seconds - ramp) / 2)
+        during = _rss(system.processes)
+        in_flight = streams - done
+        samples = await running
     summary = stats.summarize(samples, plan.memory_tokens)
     return {
         "streams": streams,
@@ -243,6 +240,17 @@ async def _memory(plan: Plan, http: httpx.AsyncClient, progress: Progress, syste
             for name in before
         },
     }
+
+
+@contextmanager
+def _step(progress: Progress, description: str, total: int | None) -> Iterator[Callable[[], None]]:
+    """A progress bar for one step, gone once it is done (few bars, little rendering: the load
+    generator shares the machine)."""
+    task = progress.add_task(description, total=total)
+    try:
+        yield lambda: progress.advance(task)
+    finally:
+        progress.remove_task(task)
 
 
 def _rss(processes: dict[str, list[psutil.Process]]) -> dict[str, int]:
