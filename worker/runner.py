@@ -17,7 +17,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
-import httpx
+import httpx2
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
@@ -42,7 +42,7 @@ from worker.response import TERMINAL, Status, failed, finished
 from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
-from worker.translation import chat_request, chat_stream, native, output
+from worker.translation import chat_request, chat_stream, coalesce, native, output
 from worker.upstream import RetryPolicy, UpstreamError, create_client, stream_json
 
 log = logging.getLogger("respool.runner")
@@ -90,7 +90,7 @@ class Runtime:
 
     engine: AsyncEngine
     redis: Redis
-    http: httpx.AsyncClient
+    http: httpx2.AsyncClient
     routes: Routes
     holder: str
     stream_ttl_seconds: int
@@ -137,9 +137,9 @@ class ResponseWriter:
     An append that meets an unreachable Redis is retried for up to `patience` seconds (the lease's
     time to live: past it the lease is gone and the append would be fenced anyway).
 
-    `send` does not wait: events sent while an append is in flight go together in the next one
-    (DESIGN.md §7, natural batching), so a fast upstream costs a round trip per batch, not per
-    chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
+    `send` does not wait: events sent while an append is in flight go together in the next one,
+    their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
+    per batch, not per chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
     """
 
     def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
@@ -187,7 +187,7 @@ class ResponseWriter:
 
     async def _flush(self) -> None:
         while self._pending:
-            events, self._pending = self._pending, []
+            events, self._pending = coalesce.merge_deltas(self._pending), []
             await self.emit(events)
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:

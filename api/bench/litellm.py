@@ -51,7 +51,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import httpx
+import httpx2
 
 from worker.supervisor import die_with_parent
 
@@ -218,7 +218,7 @@ class LiteLLM:
     def _wait_until_ready(self, seconds: float) -> None:
         ready_url = self.url.removesuffix("/v1") + READY_PATH
         deadline = time.monotonic() + seconds
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
+        with httpx2.Client(timeout=2.0, trust_env=False) as client:
             while not _answers(client, ready_url):
                 if self.process.poll() is not None:
                     raise LiteLLMStartError(f"exited with status {self.process.returncode}", self.log_path)
@@ -247,10 +247,10 @@ class LiteLLM:
         self.stop()
 
 
-def _answers(client: httpx.Client, url: str) -> bool:
+def _answers(client: httpx2.Client, url: str) -> bool:
     try:
         return client.get(url).status_code == 200
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return False
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import httpx
+import httpx2
 import orjson
 
 TOKEN = b"tok "
@@ -62,10 +62,10 @@ class StreamSample:
         return self.error is None and self.tokens == expected_tokens and self.max_gap <= STALL_SECONDS
 
 
-def client(connections: int) -> httpx.AsyncClient:
+def client(connections: int) -> httpx2.AsyncClient:
     """One pooled HTTP/1.1 client for a whole run (keep-alive, no limit below `connections`)."""
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0, connect=30.0))
+    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx2.AsyncClient(limits=limits, timeout=httpx2.Timeout(120.0, connect=30.0))
 
 
 def _stream_body(target: Target, model: str) -> bytes:
@@ -79,7 +79,7 @@ def _path(target: Target) -> str:
     return "/chat/completions" if target.api is Api.CHAT else "/responses"
 
 
-async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expected: int) -> StreamSample:
+async def stream_once(http: httpx2.AsyncClient, target: Target, model: str, expected: int) -> StreamSample:
     """One streamed request: its TTFT and token gaps, or what went wrong."""
     sample = StreamSample()
     body = _stream_body(target, model)
@@ -115,7 +115,7 @@ async def stream_once(http: httpx.AsyncClient, target: Target, model: str, expec
                         ended = True
                     elif not is_chat and any(kind in frame for kind in _RESPONSE_FAILS):
                         sample.error = frame.decode(errors="replace")[:300]
-    except (httpx.HTTPError, OSError) as exc:
+    except (httpx2.HTTPError, OSError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         return sample
     if sample.error is None and not ended:
@@ -239,7 +239,7 @@ async def short_requests(
         while time.perf_counter() < deadline:
             try:
                 await one()
-            except (httpx.HTTPError, OSError) as exc:
+            except (httpx2.HTTPError, OSError) as exc:
                 result.errors += 1
                 result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
 
@@ -250,7 +250,7 @@ async def short_requests(
     return result
 
 
-def _status(reply: httpx.Response) -> str:
+def _status(reply: httpx2.Response) -> str:
     if reply.status_code != 200:
         return "error"
     payload: dict[str, Any] = orjson.loads(reply.content)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from worker.supervisor import die_with_parent, terminate
 
@@ -92,6 +92,6 @@ def wait_until(
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
+        return httpx2.get(url, timeout=2).status_code == 200
+    except httpx2.HTTPError:
         return False

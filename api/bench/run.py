@@ -54,7 +54,7 @@ def run(
     """Run every scenario; write `result.json` and `latency.png` into `out_dir`; return the result."""
     # The load generator's own client must not log a line a request (httpx does at INFO): that
     # would cost more CPU than a request, on the machine under test.
-    for name in ("httpx", "httpcore"):
+    for name in ("httpx", "httpx2", "httpcore", "httpcore2", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"

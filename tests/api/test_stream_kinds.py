@@ -157,7 +157,9 @@ def test_logprobs_stream_with_their_top_candidates(
         )
     )
     deltas = [event for event in events if event.type == "response.output_text.delta"]
-    assert [_logprobs(event.logprobs) for event in deltas] == [[TOKENS[0]], [TOKENS[1]]]
+    # Deltas that waited together for one append are merged (worker/translation/coalesce.py).
+    assert [logprob for event in deltas for logprob in _logprobs(event.logprobs)] == TOKENS
+    assert "".join(event.delta for event in deltas) == "Hi there"
     (done,) = [event for event in events if event.type == "response.output_text.done"]
     assert (done.text, _logprobs(done.logprobs)) == ("Hi there", TOKENS)
     final = events[-1].response  # type: ignore[union-attr]

@@ -1,6 +1,6 @@
 """The upstream call's faults at the transport seam: what is retried, how far apart, and what is final.
 
-An `httpx.MockTransport` plays the upstream; the module's `sleep` is faked, since time is the one
+An `httpx2.MockTransport` plays the upstream; the module's `sleep` is faked, since time is the one
 thing these tests fake, and records every backoff the retry loop asked for.
 """
 
@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
 
-import httpx
+import httpx2
 import orjson
 import pytest
 
@@ -26,21 +26,21 @@ PAYLOADS = [{"n": 1}, {"n": 2}]
 POLICY = RetryPolicy(retries=3, backoff_seconds=0.5, backoff_max_seconds=8.0)
 
 # What the upstream does on one request: answer, or fail the way a network or server can.
-type Answer = httpx.Response | Exception
+type Answer = httpx2.Response | Exception
 
 # Faults that leave nothing behind but the wish to try again, and the ones that will not go away.
 TRANSIENT = (
-    httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.ReadTimeout, httpx.WriteError,
-    httpx.WriteTimeout, httpx.PoolTimeout, httpx.CloseError, httpx.RemoteProtocolError,
+    httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.ReadError, httpx2.ReadTimeout, httpx2.WriteError,
+    httpx2.WriteTimeout, httpx2.PoolTimeout, httpx2.CloseError, httpx2.RemoteProtocolError,
 )  # fmt: skip
 FINAL = (
-    httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.ProxyError, httpx.DecodingError,
-    httpx.TooManyRedirects, httpx.HTTPStatusError,
+    httpx2.LocalProtocolError, httpx2.UnsupportedProtocol, httpx2.ProxyError, httpx2.DecodingError,
+    httpx2.TooManyRedirects, httpx2.HTTPStatusError, httpx2.SSEError,
 )  # fmt: skip
 # The abstract ones, never raised as such.
 BASES = (
-    httpx.HTTPError, httpx.RequestError, httpx.TransportError, httpx.TimeoutException,
-    httpx.NetworkError, httpx.ProtocolError,
+    httpx2.HTTPError, httpx2.RequestError, httpx2.TransportError, httpx2.TimeoutException,
+    httpx2.NetworkError, httpx2.ProtocolError,
 )  # fmt: skip
 
 
@@ -48,17 +48,17 @@ def sse(*payloads: object) -> bytes:
     return b"".join(b"data: " + orjson.dumps(payload) + b"\n\n" for payload in payloads) + b"data: [DONE]\n\n"
 
 
-def ok(*payloads: object) -> httpx.Response:
-    return httpx.Response(
+def ok(*payloads: object) -> httpx2.Response:
+    return httpx2.Response(
         200, content=sse(*(payloads or PAYLOADS)), headers={"content-type": "text/event-stream"}
     )
 
 
-def refusal(status: int, message: str = "go away", headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"message": message, "type": "x"}}, headers=headers)
+def refusal(status: int, message: str = "go away", headers: dict[str, str] | None = None) -> httpx2.Response:
+    return httpx2.Response(status, json={"error": {"message": message, "type": "x"}}, headers=headers)
 
 
-class CutStream(httpx.AsyncByteStream):
+class CutStream(httpx2.AsyncByteStream):
     """A body that sends `body`, then fails with `fault`: a connection lost mid-stream."""
 
     def __init__(self, body: bytes, fault: Exception) -> None:
@@ -74,9 +74,9 @@ class Upstream:
 
     def __init__(self, *answers: Answer) -> None:
         self.answers = list(answers)
-        self.requests: list[httpx.Request] = []
+        self.requests: list[httpx2.Request] = []
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         self.requests.append(request)
         answer = self.answers[min(len(self.requests), len(self.answers)) - 1]
         if isinstance(answer, Exception):
@@ -96,8 +96,8 @@ def delays(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return asked
 
 
-def client_for(fake: Upstream, stall_seconds: float = 300.0) -> httpx.AsyncClient:
-    return create_client(stall_seconds, 4, transport=httpx.MockTransport(fake))
+def client_for(fake: Upstream, stall_seconds: float = 300.0) -> httpx2.AsyncClient:
+    return create_client(stall_seconds, 4, transport=httpx2.MockTransport(fake))
 
 
 async def collect(fake: Upstream, policy: RetryPolicy = POLICY, stall_seconds: float = 300.0) -> list[Any]:
@@ -119,11 +119,11 @@ async def fail(fake: Upstream, policy: RetryPolicy = POLICY, stall_seconds: floa
         refusal(502, "bad gateway"),
         refusal(503, "overloaded"),
         refusal(408, "timeout"),
-        httpx.ConnectError("refused"),
-        httpx.ConnectTimeout("no answer"),
-        httpx.ReadError("reset by peer"),
-        httpx.RemoteProtocolError("disconnected without a response"),
-        httpx.ReadTimeout("stalled"),
+        httpx2.ConnectError("refused"),
+        httpx2.ConnectTimeout("no answer"),
+        httpx2.ReadError("reset by peer"),
+        httpx2.RemoteProtocolError("disconnected without a response"),
+        httpx2.ReadTimeout("stalled"),
     ],
     ids=repr,
 )
@@ -137,7 +137,7 @@ async def test_a_transient_fault_before_output_is_retried(delays: list[float], f
 
 async def test_several_faults_in_a_row_are_retried_until_one_answers(delays: list[float]) -> None:
     """Faults of different kinds, one after another, are each retried until the upstream answers."""
-    fake = Upstream(refusal(429), httpx.ConnectError("refused"), refusal(503), ok())
+    fake = Upstream(refusal(429), httpx2.ConnectError("refused"), refusal(503), ok())
     assert await collect(fake) == PAYLOADS
     assert len(fake.requests) == 4
     assert len(delays) == 3
@@ -230,7 +230,7 @@ async def test_backoff_between_attempts_grows_and_stays_bounded(delays: list[flo
 )
 async def test_a_refusal_is_final_with_the_upstreams_message(delays: list[float], answer: Answer) -> None:
     """Any other 4xx is not retried: one request, and the error carries the status and the upstream's message."""
-    assert isinstance(answer, httpx.Response)
+    assert isinstance(answer, httpx2.Response)
     fake = Upstream(answer, ok())
     error = await fail(fake)
     assert len(fake.requests) == 1
@@ -245,7 +245,7 @@ async def test_a_refusal_is_final_with_the_upstreams_message(delays: list[float]
 )
 async def test_a_bad_stream_before_output_is_final(delays: list[float], body: bytes) -> None:
     """An in-band error or a malformed line is the upstream's answer, not a network fault: no retry."""
-    fake = Upstream(httpx.Response(200, content=body), ok())
+    fake = Upstream(httpx2.Response(200, content=body), ok())
     await fail(fake)
     assert len(fake.requests) == 1
     assert delays == []
@@ -254,19 +254,19 @@ async def test_a_bad_stream_before_output_is_final(delays: list[float], body: by
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        (httpx.ReadError(""), "failed: ReadError"),
+        (httpx2.ReadError(""), "failed: ReadError"),
         (
-            httpx.RemoteProtocolError("incomplete chunked read"),
+            httpx2.RemoteProtocolError("incomplete chunked read"),
             "failed: RemoteProtocolError: incomplete chunked read",
         ),
-        (httpx.ReadTimeout("stalled"), "the upstream sent nothing for 300 s"),
+        (httpx2.ReadTimeout("stalled"), "the upstream sent nothing for 300 s"),
     ],
 )
 async def test_a_fault_after_output_is_never_retried(
     delays: list[float], fault: Exception, message: str
 ) -> None:
     """Once a payload was yielded the output reached clients: a later fault ends the stream, with no second request."""
-    fake = Upstream(httpx.Response(200, stream=CutStream(b'data: {"n": 1}\n\n', fault)), ok())
+    fake = Upstream(httpx2.Response(200, stream=CutStream(b'data: {"n": 1}\n\n', fault)), ok())
     received: list[Any] = []
 
     async def receive() -> None:
@@ -288,15 +288,19 @@ async def test_a_fault_after_output_is_never_retried(
     [
         (refusal(503, "overloaded"), "the upstream answered 503: overloaded; gave up after 4 attempts", 503),
         (refusal(429, "slow down"), "the upstream answered 429: slow down; gave up after 4 attempts", 429),
-        (httpx.ReadTimeout("stalled"), "the upstream sent nothing for 300 s; gave up after 4 attempts", None),
         (
-            httpx.ConnectError("[Errno 111] Connection refused"),
+            httpx2.ReadTimeout("stalled"),
+            "the upstream sent nothing for 300 s; gave up after 4 attempts",
+            None,
+        ),
+        (
+            httpx2.ConnectError("[Errno 111] Connection refused"),
             "could not connect to the upstream at http://upstream.test/v1/chat/completions: "
             "ConnectError: [Errno 111] Connection refused; gave up after 4 attempts",
             None,
         ),
         (
-            httpx.ConnectTimeout("no answer"),
+            httpx2.ConnectTimeout("no answer"),
             "could not connect to the upstream at http://upstream.test/v1/chat/completions within 10 s; "
             "gave up after 4 attempts",
             None,
@@ -325,7 +329,7 @@ async def test_no_retries_means_one_attempt_and_the_cause_as_it_came(delays: lis
 
 async def test_the_stall_message_names_the_configured_stall(delays: list[float]) -> None:
     """A stall says how long the upstream was silent: the client's read timeout, from the stall setting."""
-    error = await fail(Upstream(httpx.ReadTimeout("stalled")), RetryPolicy(retries=0), stall_seconds=1.5)
+    error = await fail(Upstream(httpx2.ReadTimeout("stalled")), RetryPolicy(retries=0), stall_seconds=1.5)
     assert error.message == "the upstream sent nothing for 1.5 s"
 
 
@@ -373,7 +377,7 @@ async def test_cancelling_during_backoff_propagates_at_once(monkeypatch: pytest.
     assert len(fake.requests) == 1
 
 
-def every_httpx_error(kind: type[httpx.HTTPError] = httpx.HTTPError) -> set[type[httpx.HTTPError]]:
+def every_httpx_error(kind: type[httpx2.HTTPError] = httpx2.HTTPError) -> set[type[httpx2.HTTPError]]:
     return {kind}.union(*(every_httpx_error(sub) for sub in kind.__subclasses__()))
 
 
@@ -382,16 +386,16 @@ def test_every_httpx_error_is_classified() -> None:
     assert every_httpx_error() == {*TRANSIENT, *FINAL, *BASES}
 
 
-def raised(kind: type[httpx.HTTPError]) -> Exception:
-    if kind is httpx.HTTPStatusError:
-        request = httpx.Request("POST", "http://upstream.test")
-        return kind("boom", request=request, response=httpx.Response(500, request=request))
+def raised(kind: type[httpx2.HTTPError]) -> Exception:
+    if kind is httpx2.HTTPStatusError:
+        request = httpx2.Request("POST", "http://upstream.test")
+        return kind("boom", request=request, response=httpx2.Response(500, request=request))
     return kind("boom")
 
 
 @pytest.mark.parametrize("kind", [*TRANSIENT, *FINAL], ids=lambda kind: kind.__name__)
 async def test_every_httpx_error_becomes_an_upstream_error(
-    delays: list[float], kind: type[httpx.HTTPError]
+    delays: list[float], kind: type[httpx2.HTTPError]
 ) -> None:
     """Any httpx exception ends as UpstreamError; only the transient ones are tried again."""
     fake = Upstream(raised(kind))

@@ -1,0 +1,50 @@
+"""Merging deltas that wait together for one append (DESIGN.md §7, natural batching).
+
+While an append is in flight, the next events wait; consecutive deltas of the same part among them
+become one delta (a client sees the same text in fewer, larger pieces, as OpenAI's own streams
+vary in size). At a steady pace each delta goes alone, with no delay; under load, the events
+(and every store, relay and SSE write after them) shrink with the backlog. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+type Event = dict[str, Any]
+
+MERGEABLE = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+# What may differ between two deltas of one part (the rest: type, item, indexes, must match).
+_JOINED = frozenset({"delta", "logprobs"})
+
+
+def merge_deltas(events: list[Event]) -> list[Event]:
+    """`events`, each run of deltas of one part joined into one."""
+    merged: list[Event] = []
+    for event in events:
+        if merged and _same_part(merged[-1], event):
+            merged[-1] = _joined(merged[-1], event)
+        else:
+            merged.append(event)
+    return merged
+
+
+def _same_part(first: Event, second: Event) -> bool:
+    if first["type"] != second["type"] or first["type"] not in MERGEABLE:
+        return False
+    keys = (first.keys() | second.keys()) - _JOINED
+    return all(first.get(key) == second.get(key) for key in keys)
+
+
+def _joined(first: Event, second: Event) -> Event:
+    joined = {**first, "delta": first["delta"] + second["delta"]}
+    if "logprobs" in first or "logprobs" in second:
+        joined["logprobs"] = [*(first.get("logprobs") or []), *(second.get("logprobs") or [])]
+    return joined
