@@ -62,16 +62,18 @@ def start_upstream(children: Children, env: dict[str, str]) -> tuple[subprocess.
     return process, line.split()[1] + "/v1"
 
 
-def start_api(children: Children, env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
+def start_api(
+    children: Children, env: dict[str, str], port: int, name: str = "api"
+) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "api", "api", "--host", "127.0.0.1", "--port", str(port)]
-    process = children.spawn("api", argv, env)
+    process = children.spawn(name, argv, env)
     url = f"http://127.0.0.1:{port}/readyz"
     wait_until(lambda: _answers(url), 60, f"respool's API on port {port}", process)
     return process
 
 
-def start_worker(children: Children, env: dict[str, str], index: int) -> subprocess.Popen[bytes]:
-    name = f"worker-{index}"
+def start_worker(children: Children, env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+    """A worker, ready once its log (`<name>.log`, a new name for each start) says so."""
     process = children.spawn(name, [sys.executable, "-m", "api", "worker"], env)
     log = children.log_dir / f"{name}.log"
     wait_until(lambda: "ready: taking responses" in log.read_text(errors="replace"), 60, name, process)

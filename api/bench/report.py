@@ -1,5 +1,5 @@
-"""What a bench run tells: `result.json`, a table on the terminal, and `latency.png` (latency against
-the number of concurrent streams, one line per system)."""
+"""What a bench run tells: `result.json`, a table on the terminal and in `table.md`, and `latency.png`
+(latency against the number of concurrent streams, one line per system)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def write(result: dict[str, Any], out_dir: Path) -> None:
     """Write the JSON and the PNG, and print the table."""
     result["rows"] = rows(result)
     (out_dir / "result.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    (out_dir / "table.md").write_text(markdown(result))
     draw(result, out_dir / "latency.png")
     print_table(result)
 
@@ -89,6 +90,19 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     for name, why in result.get("skipped", {}).items():
         console.print(f"{name}: skipped: {why}")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table as Markdown (for a README)."""
+    systems = list(result["systems"])
+    lines = ["| | " + " | ".join(systems) + " | target |", "|---" * (len(systems) + 2) + "|"]
+    for row, values in result["rows"].items():
+        if all(value is None for value in values.values()):
+            continue
+        target = TARGETS.get(row)
+        cells = [_cell(values.get(name)) for name in systems] + ["" if target is None else f"{target:g}"]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _cell(value: Any) -> str:

@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -35,17 +36,33 @@ from worker.settings import Settings
 
 @dataclass
 class Respool:
-    """respool's processes: the API and its workers, and what they need."""
+    """respool's processes: the API and its workers, started afresh for each configuration measured
+    (warm processes keep the memory an earlier run grew, and would hide it from the next)."""
 
     children: Children
     env: dict[str, str]
-    api: psutil.Process
-    url: str
-    workers: list[psutil.Process] = field(default_factory=list)
+    port: int
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def add_worker(self) -> None:
-        process = start_worker(self.children, self.env, len(self.workers) + 1)
-        self.workers.append(psutil.Process(process.pid))
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, workers: int) -> dict[str, list[psutil.Process]]:
+        """Stop what runs, start an API and `workers` workers; their processes, by role."""
+        for process in self.processes:
+            self.children.stop(process)
+        run = f"{workers}-workers"  # log names: respool-api-2-workers.log, respool-worker-1-of-2-workers.log
+        api = start_api(self.children, self.env, self.port, f"respool-api-{run}")
+        started = [
+            start_worker(self.children, self.env, f"respool-worker-{index + 1}-of-{run}")
+            for index in range(workers)
+        ]
+        self.processes = [api, *started]
+        return {
+            "api": [psutil.Process(api.pid)],
+            "workers": [psutil.Process(process.pid) for process in started],
+        }
 
 
 def run(
@@ -123,11 +140,7 @@ def _start_respool(children: Children, redis_url: str, database_url: str, upstre
     }
     for name in ("RESPOOL_CONFIG", "RESPOOL_API_KEYS", "RESPOOL_UPSTREAM_API_KEY", "RESPOOL_MAX_QUEUE_DEPTH"):
         env.pop(name, None)
-    port = _free_port()
-    api = start_api(children, env, port)
-    respool = Respool(children, env, psutil.Process(api.pid), f"http://127.0.0.1:{port}/v1")
-    respool.add_worker()
-    return respool
+    return Respool(children, env, _free_port())
 
 
 def _start_litellm(path: str | None, upstream_url: str, log_dir: Path) -> litellm_.LiteLLM | str:
@@ -169,7 +182,6 @@ def _machine(litellm: litellm_.LiteLLM | str) -> dict[str, Any]:
 async def _measure(
     plan: Plan, upstream_url: str, respool: Respool, litellm: litellm_.LiteLLM | str
 ) -> dict[str, Any]:
-    respool_url = respool.url
     direct = System(Target("direct", upstream_url, Api.CHAT), {})
     systems = [direct]
     if isinstance(litellm, litellm_.LiteLLM):
@@ -185,13 +197,8 @@ async def _measure(
         result["skipped"]["litellm"] = litellm
     with _progress() as progress:
         for count in plan.worker_counts:
-            while len(respool.workers) < count:
-                respool.add_worker()
             name = f"respool ({count} worker{'s' if count > 1 else ''})"
-            mine = System(
-                Target(name, respool_url, Api.RESPONSES),
-                {"api": [respool.api], "workers": list(respool.workers)},
-            )
+            mine = System(Target(name, respool.url, Api.RESPONSES), respool.start(count))
             # The direct upstream and LiteLLM do not change with respool's workers: measured once.
             others = [system for system in systems if not system.result]
             await scenarios.run_all(plan, progress, [*others, mine], direct)

@@ -58,6 +58,7 @@ def test_tokens_are_counted_in_delta_frames_only() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.bench
 def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -> None:
     """One worker, then two; LiteLLM too where it is installed (CI installs it)."""
     out = tmp_path / "bench"
@@ -93,3 +94,4 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
             assert {"ttft_ms", "gap_ms"} <= set(system["added"]["1"])
     assert result["systems"]["respool (2 workers)"]["memory"]["processes"] == {"api": 1, "workers": 2}
     assert (out / "latency.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "table.md").read_text().startswith("| | direct |")
