@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from redis import Redis as SyncRedis
-from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -36,30 +35,12 @@ def enqueue_commands(
 
     RQ itself builds them, on a pipeline that only records (so the job's format stays RQ's own);
     nothing is sent. It needs `queue.redis_server_version` set, or it asks the server for it first.
-    """
-    recorder = queue.connection.pipeline()
-    recorder.multi()
-    _record_enqueue(recorder, queue, response_id, first_events, max_attempts)
-    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
-    recorder.reset()
-    return commands
-
-
-def parse_server_version(version: str) -> tuple[int, int, int]:
-    """`INFO server`'s `redis_version` as RQ keeps it (`Queue.redis_server_version`)."""
-    parts = [int(part) for part in str(version).split(".")[:3]]
-    return (*parts, 0, 0, 0)[:3]  # type: ignore[return-value]
-
-
-def _record_enqueue(
-    pipe: Pipeline, queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
-) -> None:
-    """Queue the first events and the job on `pipe`.
-
     A job whose worker dies is retried by RQ's maintenance, up to `max_attempts` runs in all
     (DESIGN.md §4, "Orphans"); the next attempt decides whether it may generate again.
     """
-    add_events(pipe, response_id, first_events)
+    recorder = queue.connection.pipeline()
+    recorder.multi()
+    add_events(recorder, response_id, first_events)
     queue.enqueue_call(
         JOB_FUNCTION,
         args=(response_id,),
@@ -69,8 +50,17 @@ def _record_enqueue(
         failure_ttl=RESULT_TTL,
         retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
         description=f"response {response_id}",
-        pipeline=pipe,
+        pipeline=recorder,
     )
+    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
+    recorder.reset()
+    return commands
+
+
+def parse_server_version(version: str) -> tuple[int, int, int]:
+    """`INFO server`'s `redis_version` as RQ keeps it (`Queue.redis_server_version`)."""
+    parts = [int(part) for part in str(version).split(".")[:3]]
+    return (*parts, 0, 0, 0)[:3]  # type: ignore[return-value]
 
 
 def remove_queued(queue: Queue, response_id: str) -> bool:

@@ -166,8 +166,7 @@ async def streams(
 ) -> list[StreamSample]:
     """`count` streams, `concurrency` at a time; the first wave starts spread over `ramp_seconds`.
 
-    Each run has a client of its own: httpx's pool is slow to search once it holds hundreds of
-    connections, which would make the load generator the bottleneck of later runs."""
+    Each run has a client of its own, sized to it: no run inherits the connections of another."""
     model = model_name(tokens, pace_ms)
     samples: list[StreamSample] = []
     async with client(concurrency) as http:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from api.bench.load import StreamSample
+from api.bench.load import STALL_SECONDS, StreamSample
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -37,7 +37,7 @@ def summarize(samples: Sequence[StreamSample], expected_tokens: int) -> dict[str
         "streams": len(samples),
         "clean": sum(sample.is_clean(expected_tokens) for sample in samples),
         "lost": len(errors),
-        "stalled": sum(sample.error is None and sample.max_gap > 1.0 for sample in samples),
+        "stalled": sum(sample.error is None and sample.max_gap > STALL_SECONDS for sample in samples),
         "first_error": errors[0] if errors else None,
         "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
         "gap_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99))},

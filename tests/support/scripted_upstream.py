@@ -52,6 +52,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from api.bench.upstream import listening_socket
 from tests.support.upstream_frames import (
     DEFAULT_MODEL,
     Json,
@@ -340,15 +341,6 @@ class UpstreamServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.state.closing.set()
         await super().shutdown(sockets)
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening socket: connections queue in its backlog from now on."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> None:
