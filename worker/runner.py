@@ -300,8 +300,15 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
 
 async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     response_id = lease.response_id
-    stored = await _patiently(rt, partial(_start, rt, lease))
-    last = await last_event(rt.redis, response_id)
+    # Read together: nothing but this lease's holder appends now, so the newest event is the same
+    # before or after the row moves.
+    last_read = asyncio.ensure_future(last_event(rt.redis, response_id))
+    try:
+        stored = await _patiently(rt, partial(_start, rt, lease))
+    except BaseException:
+        last_read.cancel()
+        raise
+    last = await last_read
     writer = ResponseWriter(
         rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
     )

@@ -33,7 +33,16 @@ from worker.errors import (
     UnavailableAfterCommitError,
     UnavailableError,
 )
-from worker.events import Event, EventLog, connect, encode, expire_response, last_event, read_events
+from worker.events import (
+    Event,
+    EventLog,
+    connect,
+    encode,
+    expire_response,
+    hiredis_packing,
+    last_event,
+    read_events,
+)
 from worker.ids import new_id
 from worker.items import check_tool_outputs, normalize_input
 from worker.keys import cancel_key, response_keys
@@ -114,7 +123,8 @@ class ResponseService:
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         await self._check_queue()
-        async with _database(), self.engine.begin() as conn:
+        # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
+        async with _database(), self.autocommit.connect() as conn:
             history = await self._history(conn, owner, request.previous_response_id)
             conversation = history + own_items
             check_tool_outputs(conversation, len(history))
@@ -418,12 +428,14 @@ def _blocking_client(settings: Settings) -> Redis:
     """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
     that plus the usual one (a shorter one would cut every idle XREAD short)."""
     timeout = settings.redis_timeout_seconds
-    return Redis.from_url(
+    client = Redis.from_url(
         settings.redis_url,
         max_connections=1,
         socket_connect_timeout=timeout,
         socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
     )
+    hiredis_packing(client.connection_pool)
+    return client
 
 
 @contextlib.asynccontextmanager

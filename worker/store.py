@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, literal_column, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -85,8 +86,37 @@ _COLUMNS = (
 
 
 # The hot statements, built once: building one costs more than running it (parameters are bound).
-_INSERT = insert(ResponseRow)
-_INSERT_ITEMS = insert(InputItemRow)
+_NEW_ROW = (
+    "id",
+    "owner",
+    "status",
+    "model",
+    "background",
+    "store",
+    "stream",
+    "previous_response_id",
+    "request",
+    "conversation",
+    "response",
+)
+_CREATED = (
+    insert(ResponseRow)
+    .values({name: bindparam(name) for name in _NEW_ROW})
+    .returning(ResponseRow.id)
+    .cte("created")
+)
+_ITEMS = (
+    func.jsonb_array_elements(bindparam("items", type_=JSONB))
+    .table_valued("value", with_ordinality="ordinality")
+    .alias("items")
+)
+# The row and its input items in one statement (a data-modifying CTE): in autocommit, one round trip.
+_INSERT = insert(InputItemRow).from_select(
+    ["response_id", "position", "item_id", "item"],
+    select(_CREATED.c.id, _ITEMS.c.ordinality - 1, _ITEMS.c.value.op("->>")("id"), _ITEMS.c.value)
+    .select_from(_CREATED)
+    .join(_ITEMS, literal_column("true")),
+)
 _SELECT = select(*_COLUMNS).where(ResponseRow.id == bindparam("rid"))
 _SELECT_OWNED = _SELECT.where(ResponseRow.owner == bindparam("owned_by"))
 _START_ATTEMPT = (
@@ -123,14 +153,8 @@ _MARK_FINISHED = (
 async def insert_response(
     conn: AsyncConnection, row: dict[str, Any], input_items: list[dict[str, Any]]
 ) -> None:
-    """Insert a new response row and its input items."""
-    await conn.execute(_INSERT, row)
-    items = [
-        {"response_id": row["id"], "position": index, "item_id": item["id"], "item": item}
-        for index, item in enumerate(input_items)
-    ]
-    if items:
-        await conn.execute(_INSERT_ITEMS, items)
+    """Insert a new response row and its input items (each has an `id`), in one statement."""
+    await conn.execute(_INSERT, {**{name: row[name] for name in _NEW_ROW}, "items": input_items})
 
 
 async def get_response(
