@@ -6,10 +6,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 
 from tests.support.stack import Servers
-from worker.events import AppendResult, EventLog, connect, encode, read_events
+from worker.events import AppendResult, EventLog, connect, encode, hiredis_packing, read_events
 from worker.lease import Leases
 
 pytestmark = pytest.mark.integration
@@ -57,3 +57,26 @@ async def test_an_append_after_redis_forgot_its_scripts_lands_once(redis: Redis)
     )
     stored = await read_events(redis, response_id)
     assert [event.payload()["delta"] for event in stored] == ["d0", "d1", "d2"]
+
+
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("redis://127.0.0.1:6379/0", "Connection"),
+        ("unix:///tmp/redis.sock", "UnixDomainSocketConnection"),
+        ("rediss://127.0.0.1:6379/0", "SSLConnection"),
+    ],
+)
+def test_hiredis_packing_keeps_the_connection_kind_and_packs_as_redis_py_does(url: str, base: str) -> None:
+    """hiredis packs every argument kind exactly as redis-py's own Python packer would."""
+    pool = hiredis_packing(ConnectionPool.from_url(url))
+    assert pool.connection_class.__mro__[2].__name__ == base
+    assert hiredis_packing(pool).connection_class is pool.connection_class  # once only
+    ours = pool.make_connection()
+    theirs = pool.connection_class.__mro__[2](**pool.connection_kwargs)
+    for args in (
+        ("XADD", "key", "0-1", "t", "response.created", "d", b'{"a":"\xc3\xa9"}'),
+        ("CONFIG GET", "maxmemory"),
+        ("EVALSHA", "f" * 40, 3, "a", "b", "c", 1.5, "é"),
+    ):
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
