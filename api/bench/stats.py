@@ -53,6 +53,12 @@ def added(proxy: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def over_pace(summary: dict[str, Any], pace_ms: float) -> dict[str, Any]:
+    """What a stream's gaps add to the pace its upstream keeps, in `added`'s shape (for the upstream
+    measured directly, which has no baseline but its own pace)."""
+    return {"gap_ms": {q: _difference(summary["gap_ms"][q], pace_ms) for q in ("p50", "p99")}}
+
+
 def _difference(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
 

@@ -43,6 +43,14 @@ def test_added_is_the_difference_of_percentiles_and_held_needs_every_stream_clea
     assert not stats.is_held(slow, stats.added(slow, direct), 25.0)
 
 
+def test_the_direct_upstream_holds_a_level_while_its_gaps_stay_near_its_pace() -> None:
+    steady = stats.summarize([StreamSample(tokens=3, ttft=0.002, gaps=[0.020, 0.030])], 3)
+    assert stats.over_pace(steady, 20)["gap_ms"]["p99"] == pytest.approx(9.9)
+    assert stats.is_held(steady, stats.over_pace(steady, 20), 25.0)
+    late = stats.summarize([StreamSample(tokens=3, ttft=0.002, gaps=[0.020, 0.050])], 3)
+    assert not stats.is_held(late, stats.over_pace(late, 20), 25.0)
+
+
 def test_tokens_are_counted_in_delta_frames_only() -> None:
     """A Responses stream repeats the text in its `.done` and `completed` events: only deltas count."""
     delta = (
