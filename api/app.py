@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from api import errors
 from api.auth import Keys
+from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
 from api.routes import router
 from worker.service import ResponseService
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
     app.state.keys = keys
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # inside the request id
     errors.install(app, settings.retry_after_seconds)
     metrics = ApiMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import ORJSONResponse
 from starlette.responses import Response
 
@@ -14,10 +14,13 @@ from api.auth import owner
 from api.errors import committed_error_response
 from api.sse import sse_response, until_disconnected
 from worker.errors import InvalidRequestError
+from worker.request import RESPONSE_ID_PATTERN
 from worker.service import ResponseService
 
 router = APIRouter(prefix="/v1")
 Owner = Annotated[str, Depends(owner)]
+# A response id of any other form is refused with 400 naming `response_id`, before any lookup.
+ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
 
 
 def _service(request: Request) -> ResponseService:
@@ -65,7 +68,7 @@ def _abandon(service: ResponseService, owner: str, response_id: str) -> Callable
 @router.get("/responses/{response_id}")
 async def retrieve_response(
     request: Request,
-    response_id: str,
+    response_id: ResponseId,
     owner: Owner,
     stream: bool = False,
     starting_after: Annotated[int | None, Query(ge=0)] = None,
@@ -81,22 +84,22 @@ async def retrieve_response(
 
 
 @router.post("/responses/{response_id}/cancel")
-async def cancel_response(request: Request, response_id: str, owner: Owner) -> Response:
+async def cancel_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     """Cancel a background response; the body (empty, PROTOCOL.md §0.10) is not read."""
     return ORJSONResponse(await _service(request).cancel(owner, response_id))
 
 
 @router.delete("/responses/{response_id}")
-async def delete_response(request: Request, response_id: str, owner: Owner) -> Response:
+async def delete_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     return ORJSONResponse(await _service(request).delete(owner, response_id))
 
 
 @router.get("/responses/{response_id}/input_items")
 async def list_input_items(
     request: Request,
-    response_id: str,
+    response_id: ResponseId,
     owner: Owner,
-    after: str | None = None,
+    after: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> Response:

@@ -4,7 +4,8 @@
     ├── InvalidRequestError           400 invalid_request_error (carries `param`, `code`)
     │   ├── MissingParameterError     400 code missing_required_parameter
     │   ├── UnsupportedParameterError 400 code unsupported_parameter
-    │   └── PreviousResponseNotFoundError  400 code previous_response_not_found
+    │   ├── PreviousResponseNotFoundError  400 code previous_response_not_found
+    │   └── RequestTooLargeError      413 code request_too_large (RESPOOL_MAX_BODY_BYTES)
     ├── AuthenticationError           401
     ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
     ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
@@ -61,6 +62,18 @@ class PreviousResponseNotFoundError(InvalidRequestError):
     def __init__(self, response_id: str) -> None:
         super().__init__(
             f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+        )
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A body over the size limit: refused before more of it is read (never retried by the SDK)."""
+
+    status = 413
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The request body is larger than this server accepts ({limit:,} bytes, RESPOOL_MAX_BODY_BYTES).",
         )
 
 

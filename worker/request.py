@@ -20,6 +20,10 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 Probability = Annotated[float, Field(ge=0, le=1)]
+# A response id as respool mints them (worker/ids.py) or OpenAI does: `resp_` and up to 59 more
+# characters (the column holds 64). Any other form is refused (400) before it reaches a lookup.
+RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9_-]{1,59}$"
+ResponseId = Annotated[str, Field(pattern=RESPONSE_ID_PATTERN)]
 
 
 class CreateRequest(BaseModel):
@@ -34,7 +38,7 @@ class CreateRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     background: bool | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: ResponseId | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     include: list[str] | None = None

@@ -119,6 +119,12 @@ class ResponseService:
         route = self.routes.resolve(request.model)
         await self._check_queue_depth()
         own_items = normalize_input(request.input)
+        if len(own_items) > self.settings.max_input_items:
+            raise InvalidRequestError(
+                f"'input' has {len(own_items):,} items; this server accepts at most "
+                f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS).",
+                param="input",
+            )
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)

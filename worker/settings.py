@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     database_connect_timeout_seconds: int = Field(default=5, ge=1)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
 
+    # Limits on what one request may carry (issue 7): a body over max_body_bytes is refused with
+    # 413 before more of it is read; more input items than max_input_items with 400.
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_input_items: int = Field(default=2048, ge=1)
+
     # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
     api_replicas: int = 1
 
