@@ -117,7 +117,6 @@ class ResponseService:
         request = parse_create_request(body)
         assert request.model is not None and request.input is not None
         route = self.routes.resolve(request.model)
-        await self._check_queue_depth()
         own_items = normalize_input(request.input)
         if len(own_items) > self.settings.max_input_items:
             raise InvalidRequestError(
@@ -125,6 +124,7 @@ class ResponseService:
                 f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS).",
                 param="input",
             )
+        await self._check_queue_depth()
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
