@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import ORJSONResponse
 from starlette.responses import Response
 
-from api import errors
+from api import errors, openapi
 from api.auth import Keys
 from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
@@ -43,11 +43,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
     app.state.keys = keys
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # inside the request id
+    app.add_middleware(  # inside the request id
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_seconds=settings.body_timeout_seconds
+    )
     errors.install(app, settings.retry_after_seconds)
     metrics = ApiMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(router)
+    openapi.install(app, secured=not keys.is_open)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
@@ -59,12 +62,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("metrics: the queue depth could not be read")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/healthz")
+    @app.get(
+        "/healthz", responses={200: {"description": "Success", "content": openapi.READY[200]["content"]}}
+    )
     async def healthz() -> dict[str, str]:
         """The process is alive (whatever Redis and Postgres are doing)."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses=openapi.READY)
     async def readyz() -> dict[str, str]:
         """Redis and Postgres both answer; a 503 with `retry-after` while either does not.
 

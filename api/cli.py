@@ -1,4 +1,5 @@
-"""The `respool` command: `up` (everything on one machine), `migrate`, `api`, `worker`, `bench`.
+"""The `respool` command: `up` (everything on one machine), `migrate`, `api`, `worker`, `bench`, and
+`hash-key` (an API key's digest, for `RESPOOL_API_KEYS`).
 
 Every option is also an env var (`RESPOOL_…`); a flag given on the command line wins. Each process
 is started by its own command, so `up` runs exactly what a deployment runs, one process each.
@@ -60,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workers", default="1,2", help="worker process counts to measure respool with (default 1,2)"
     )
+    commands.add_parser(
+        "hash-key", help="print the sha256:<hex> digest of the API key read from stdin (RESPOOL_API_KEYS)"
+    )
     return parser
 
 
@@ -73,6 +77,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.command == "hash-key":
+        sys.exit(hash_key())
     settings = _settings(args)
     logs.configure(settings.log_format)
     if args.command == "up":
@@ -127,6 +133,21 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     litellm = None if args.no_litellm else (args.litellm or "")
     run(plan, Path(args.out), litellm, servers_from(settings))
     print(f"\nWritten: {Path(args.out) / 'result.json'}, {Path(args.out) / 'latency.png'}")
+    return 0
+
+
+def hash_key() -> int:
+    """`respool hash-key`: the digest of the key on stdin (asked for unechoed on a terminal)."""
+    import getpass
+
+    from api.auth import key_digest
+
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline()
+    key = key.strip()
+    if not key:
+        print("respool hash-key: no key given on stdin", file=sys.stderr)
+        return 2
+    print(key_digest(key))
     return 0
 
 

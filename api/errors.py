@@ -1,8 +1,9 @@
 """Rendering every error in OpenAI's envelope (PROTOCOL.md §5.6), with `x-request-id` on every answer.
 
 Domain errors (`worker.errors`) carry their own status; framework errors are mapped here once.
-A 503 says when to come back (`retry-after`, `RESPOOL_RETRY_AFTER_SECONDS`); one that follows a
-recorded create also says not to come back on its own (`x-should-retry: false`, PROTOCOL.md §5.5).
+A 503 says when to come back (`retry-after`, `RESPOOL_RETRY_AFTER_SECONDS`), and so does a 429 (its
+own wait); a 503 that follows a recorded create also says not to come back on its own
+(`x-should-retry: false`, PROTOCOL.md §5.5). A 408 closes the connection.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from worker import logs
@@ -22,6 +24,7 @@ from worker.errors import (
     InvalidRequestError,
     NotFoundError,
     OverloadedError,
+    RequestTimeoutError,
     RespoolError,
     UnavailableAfterCommitError,
     UnavailableError,
@@ -42,6 +45,8 @@ def error_response(error: RespoolError, retry_after_seconds: int | None = None) 
         headers["retry-after"] = str(error.retry_after_seconds)
     if isinstance(error, UnavailableAfterCommitError):
         headers["x-should-retry"] = "false"
+    if isinstance(error, RequestTimeoutError):  # what is left of its body will not be read
+        headers["connection"] = "close"
     return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)
 
 
@@ -78,7 +83,26 @@ async def _http(request: Request, exc: Exception) -> Response:
         return error_response(NotFoundError(f"Unknown route: {request.method} {request.url.path}."))
     error = RespoolError(str(exc.detail))
     error.status, error.type = exc.status_code, "invalid_request_error"
-    return error_response(error)
+    answer = error_response(error)
+    answer.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # every method of the path (RFC 9110 §15.5.6), not the first route's
+        answer.headers["allow"] = ", ".join(_allowed_methods(request))
+    return answer
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route that matches the request's path (FastAPI keeps included routers
+    as routes of their own, holding theirs in `original_router`)."""
+    methods: set[str] = set()
+    routes = list(request.app.routes)
+    while routes:
+        route = routes.pop()
+        nested = getattr(route, "original_router", None)
+        if nested is not None:
+            routes.extend(nested.routes)
+        elif isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -10,17 +10,19 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import ORJSONResponse
 from starlette.responses import Response
 
+from api import openapi
 from api.auth import owner
 from api.errors import committed_error_response
 from api.sse import sse_response, until_disconnected
 from worker.errors import InvalidRequestError
-from worker.request import RESPONSE_ID_PATTERN
-from worker.service import ResponseService
+from worker.request import RESPONSE_ID_PATTERN, check_no_nul
+from worker.service import ResponseService, Stream
 
-router = APIRouter(prefix="/v1")
 Owner = Annotated[str, Depends(owner)]
 # A response id of any other form is refused with 400 naming `response_id`, before any lookup.
 ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
+# The largest cursor taken: any event's number is below it (JSON's safe integers; Redis ids are 64-bit).
+MAX_SEQUENCE_NUMBER = 2**53 - 1
 
 
 def _service(request: Request) -> ResponseService:
@@ -28,26 +30,43 @@ def _service(request: Request) -> ResponseService:
     return service
 
 
+async def _count_request(request: Request, owner: Owner) -> None:
+    """Every /v1 request counts against its owner's rate (`RESPOOL_RATE_LIMIT_PER_MINUTE`), before
+    its body is read."""
+    await _service(request).quotas.check_rate(owner)
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(_count_request)])
+
+
 async def _json_body(request: Request) -> Any:
+    raw = await request.body()
     try:
-        return orjson.loads(await request.body())
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise InvalidRequestError(
             "We could not parse the JSON body of your request: it is not valid JSON (UTF-8).", param=None
         ) from None
+    if b"\\u0000" in raw:  # JSON can only spell NUL escaped; most bodies skip the walk
+        check_no_nul(body)
+    return body
 
 
-@router.post("/responses")
+@router.post(
+    "/responses",
+    operation_id="createResponse",
+    responses=openapi.answers("Response", stream=True, body=True),
+    openapi_extra=openapi.CREATE_BODY,
+)
 async def create_response(request: Request, owner: Owner) -> Response:
     """Create a response: JSON for background or foreground, SSE when `stream` (PROTOCOL.md §0.7)."""
     service = _service(request)
     created = await service.create(owner, await _json_body(request))
     response_id = created.response["id"]
     is_foreground = not created.request.is_background
-    if created.request.is_stream:
-        events = service.follow(response_id, -1, service.settings.sse_heartbeat_seconds)
-        return sse_response(
-            events, -1, on_disconnect=_abandon(service, owner, response_id) if is_foreground else None
+    if created.stream is not None:
+        return _relay(
+            service, created.stream, _abandon(service, owner, response_id) if is_foreground else None
         )
     if not is_foreground:
         return ORJSONResponse(created.response)
@@ -65,41 +84,64 @@ def _abandon(service: ResponseService, owner: str, response_id: str) -> Callable
     return lambda: service.abandon(owner, response_id)
 
 
-@router.get("/responses/{response_id}")
+def _relay(
+    service: ResponseService, stream: Stream, on_disconnect: Callable[[], Awaitable[None]] | None = None
+) -> Response:
+    """The SSE response for `stream`; its slot is given back however it ends."""
+    return sse_response(
+        stream.events,
+        stream.after,
+        write_timeout_seconds=service.settings.sse_write_timeout_seconds,
+        on_disconnect=on_disconnect,
+        on_close=None if stream.slot is None else lambda: service.quotas.close_stream(stream.slot),
+    )
+
+
+@router.get(
+    "/responses/{response_id}",
+    operation_id="retrieveResponse",
+    responses=openapi.answers("Response", stream=True),
+)
 async def retrieve_response(
     request: Request,
     response_id: ResponseId,
     owner: Owner,
     stream: bool = False,
-    starting_after: Annotated[int | None, Query(ge=0)] = None,
+    starting_after: Annotated[int | None, Query(ge=0, le=MAX_SEQUENCE_NUMBER)] = None,
 ) -> Response:
     """Poll a response, or replay its events after `starting_after` and follow them (PROTOCOL.md §6.3)."""
     service = _service(request)
     if not stream:
         return ORJSONResponse(await service.retrieve(owner, response_id))
-    final = await service.check_streamable(owner, response_id)
     after = -1 if starting_after is None else starting_after
-    events = service.follow(response_id, after, service.settings.sse_heartbeat_seconds, final=final)
-    return sse_response(events, after)
+    return _relay(service, await service.replay(owner, response_id, after))
 
 
-@router.post("/responses/{response_id}/cancel")
+@router.post(
+    "/responses/{response_id}/cancel", operation_id="cancelResponse", responses=openapi.answers("Response")
+)
 async def cancel_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     """Cancel a background response; the body (empty, PROTOCOL.md §0.10) is not read."""
     return ORJSONResponse(await _service(request).cancel(owner, response_id))
 
 
-@router.delete("/responses/{response_id}")
+@router.delete(
+    "/responses/{response_id}", operation_id="deleteResponse", responses=openapi.answers("ResponseDeleted")
+)
 async def delete_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     return ORJSONResponse(await _service(request).delete(owner, response_id))
 
 
-@router.get("/responses/{response_id}/input_items")
+@router.get(
+    "/responses/{response_id}/input_items",
+    operation_id="listInputItems",
+    responses=openapi.answers("InputItemList"),
+)
 async def list_input_items(
     request: Request,
     response_id: ResponseId,
     owner: Owner,
-    after: Annotated[str | None, Query(max_length=128)] = None,
+    after: Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00]*$")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> Response:
@@ -108,6 +150,6 @@ async def list_input_items(
     return ORJSONResponse(page)
 
 
-@router.get("/models")
+@router.get("/models", operation_id="listModels", responses=openapi.answers("ModelList"))
 async def list_models(request: Request, owner: Owner) -> Response:
     return ORJSONResponse({"object": "list", "data": _service(request).models()})

@@ -2,17 +2,22 @@
 comment heartbeats during silences so idle connections survive proxies. Also noticing a client
 that goes away, so a foreground response it abandoned can be cancelled (DESIGN.md §2), and ending
 a stream whose events became unavailable (Redis lost) with a fatal `error` event.
+
+A client that stops reading is given up on: a write it leaves untaken for
+`RESPOOL_SSE_WRITE_TIMEOUT_SECONDS` (the server's buffers full) ends the stream as a disconnect
+does. However a stream ends, its `on_close` runs (it gives back the stream's slot).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from worker.errors import UnavailableError
 from worker.events import Event
@@ -51,9 +56,13 @@ def error_frame(error: UnavailableError, after: int) -> bytes:
     return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
+class SlowClientError(Exception):
+    """The client left a write untaken past the write timeout."""
+
+
 async def _frames(
     events: AsyncIterator[Event | None], after: int, on_disconnect: Callable[[], Awaitable[None]] | None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     is_ended = False  # whether the client saw the stream's end (so it did not go away)
     try:
         async for event in events:
@@ -84,15 +93,88 @@ def _run_detached(cleanup: Awaitable[None]) -> None:
     task.add_done_callback(_CLEANUPS.discard)
 
 
+class _WriteWatch:
+    """Gives up on a client that leaves one write untaken for `timeout_seconds`, by cancelling the
+    write. One timer a stream, re-armed at each deadline, never one a write (DESIGN.md §7)."""
+
+    def __init__(self, send: Send, timeout_seconds: float) -> None:
+        self._send = send
+        self._timeout = timeout_seconds
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the write under way began
+        self._writer: asyncio.Task[object] | None = None
+        self._is_expired = False
+        self._timer = self._loop.call_later(timeout_seconds, self._check)
+
+    async def send(self, message: Message) -> None:
+        """`send`, or `SlowClientError` once the write has waited `timeout_seconds` (uvicorn waits
+        for its buffer to drain before it writes, so a cancelled write wrote nothing)."""
+        self._since, self._writer = self._loop.time(), asyncio.current_task()
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self._is_expired or self._writer is None:
+                raise
+            self._writer.uncancel()  # the cancel was ours, not the server's: undo it
+            raise SlowClientError from None
+        finally:
+            self._since = None
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is not None and now - since >= self._timeout and self._writer is not None:
+            self._is_expired = True
+            self._writer.cancel()
+            return
+        self._timer = self._loop.call_at((now if since is None else since) + self._timeout, self._check)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that gives up on a client that stops reading, and runs `on_close` however it
+    ends: completed, the client gone or too slow, or an error."""
+
+    def __init__(
+        self,
+        frames: AsyncGenerator[bytes],
+        write_timeout_seconds: float,
+        on_close: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=HEADERS)
+        self._frames = frames
+        self._write_timeout = write_timeout_seconds
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = _WriteWatch(send, self._write_timeout)
+        try:
+            await super().__call__(scope, receive, watch.send)
+        except SlowClientError:
+            log.warning(
+                "a stream's client took no data for %g s (RESPOOL_SSE_WRITE_TIMEOUT_SECONDS): the stream "
+                "is given up, and uvicorn closes its connection (it reports the response incomplete)",
+                self._write_timeout,
+            )
+        finally:
+            watch.stop()
+            await self._frames.aclose()  # its clean-up (a foreground response abandoned) runs now
+            if self._on_close is not None:
+                _run_detached(self._on_close())
+
+
 def sse_response(
     events: AsyncIterator[Event | None],
     after: int = -1,
+    *,
+    write_timeout_seconds: float,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
-) -> StreamingResponse:
+    on_close: Callable[[], Awaitable[None]] | None = None,
+) -> EventStream:
     """Relay `events` (those after sequence number `after`); `on_disconnect` runs if the client goes
-    away before the terminal event."""
-    frames = _frames(events, after, on_disconnect)
-    return StreamingResponse(frames, media_type="text/event-stream", headers=HEADERS)
+    away (or is given up on) before the terminal event, `on_close` however the stream ends."""
+    return EventStream(_frames(events, after, on_disconnect), write_timeout_seconds, on_close)
 
 
 async def until_disconnected[T](request: Request, work: Awaitable[T]) -> T | None:

@@ -6,9 +6,12 @@
     │   ├── UnsupportedParameterError 400 code unsupported_parameter
     │   ├── PreviousResponseNotFoundError  400 code previous_response_not_found
     │   └── RequestTooLargeError      413 code request_too_large (RESPOOL_MAX_BODY_BYTES)
+    ├── RequestTimeoutError           408 code request_timeout (RESPOOL_BODY_TIMEOUT_SECONDS)
     ├── AuthenticationError           401
     ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
     ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
+    │   ├── RateLimitError            an owner's requests over RESPOOL_RATE_LIMIT_PER_MINUTE
+    │   └── StreamLimitError          an owner's open streams at RESPOOL_MAX_STREAMS_PER_KEY
     └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
         └── UnavailableAfterCommitError   503, never retried: the create was already recorded
 
@@ -77,6 +80,20 @@ class RequestTooLargeError(InvalidRequestError):
         )
 
 
+class RequestTimeoutError(RespoolError):
+    """A body that did not arrive in time: nothing was read into a request, so the SDK may retry it
+    (PROTOCOL.md §5.5); the connection is closed after the answer."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, timeout_seconds: float) -> None:
+        super().__init__(
+            f"The request body did not arrive within {timeout_seconds:g} s (RESPOOL_BODY_TIMEOUT_SECONDS)."
+        )
+
+
 class AuthenticationError(RespoolError):
     status = 401
     type = "invalid_request_error"
@@ -108,6 +125,28 @@ class OverloadedError(RespoolError):
     type = "requests"
     code = "rate_limit_exceeded"
     retry_after_seconds = 5
+
+
+class RateLimitError(OverloadedError):
+    """An owner sent more requests than its rate allows; `retry_after_seconds` is the real wait
+    until one more is allowed (whole seconds, rounded up, as `retry-after` carries them)."""
+
+    def __init__(self, owner: str, per_minute: int, retry_after_seconds: int) -> None:
+        super().__init__(
+            f"Rate limit reached for '{owner}' on requests per minute: limit {per_minute} "
+            f"(RESPOOL_RATE_LIMIT_PER_MINUTE). Please try again in {retry_after_seconds} s."
+        )
+        self.retry_after_seconds = retry_after_seconds
+
+
+class StreamLimitError(OverloadedError):
+    """An owner already has as many event streams open as it may; one must end first."""
+
+    def __init__(self, owner: str, limit: int) -> None:
+        super().__init__(
+            f"'{owner}' already has {limit} event streams open, its limit (RESPOOL_MAX_STREAMS_PER_KEY); "
+            "close one, or retry shortly. Nothing was created."
+        )
 
 
 class UnavailableError(RespoolError):

@@ -1,7 +1,7 @@
 """Every Redis key respool writes, in one place (DESIGN.md §3).
 
 Per-response keys hash-tag the response id, so the scripts that touch several of them stay valid
-on Redis Cluster.
+on Redis Cluster; per-owner quota keys hash-tag the owner.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ def response_keys(response_id: str) -> list[str]:
         attempt_key(response_id),
         cancel_key(response_id),
     ]
+
+
+def rate_key(owner: str) -> str:
+    """The owner's request rate (GCRA): its theoretical arrival time in ms, PX ttl until it is past."""
+    return f"{PREFIX}:quota:{{{owner}}}:rate"
+
+
+def streams_key(owner: str) -> str:
+    """The owner's open event streams: a sorted set of stream tokens scored by lease expiry (ms)."""
+    return f"{PREFIX}:quota:{{{owner}}}:streams"
 
 
 def wake_key(process_id: str) -> str:

@@ -60,6 +60,9 @@ class ResponseRow(Base):
     response: Mapped[dict[str, Any]] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # How many responses precede this one through previous_response_id (0: none); bounded by
+    # RESPOOL_MAX_CHAIN_DEPTH.
+    chain_depth: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -54,13 +54,24 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     return ended
 
 
-async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> int:
-    """End every orphaned live response (see the module docstring); the number ended."""
+async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses, batch: int = BATCH) -> int:
+    """End every orphaned live response (see the module docstring); the number ended. Every live
+    row is looked at, a page at a time: a backlog of queued responses (held by RQ) must not hide
+    an orphan behind it."""
     grace = max(10.0, 2.0 * settings.registry_seconds)
-    async with rt.engine.connect() as conn:
-        candidates = await store.live_response_ids(conn, grace, BATCH)
-    if not candidates:
-        return 0
+    ended, after = 0, None
+    while True:
+        async with rt.engine.connect() as conn:
+            page = await store.live_response_ids(conn, grace, batch, after)
+        if page:
+            ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
+        if len(page) < batch:
+            return ended
+        after = page[-1]
+
+
+async def _end_unheld(rt: Runtime, candidates: list[str], job_statuses: JobStatuses) -> int:
+    """End those of `candidates` nobody holds: no lease, and no job RQ will still run."""
     async with rt.redis.pipeline(transaction=False) as pipe:
         for response_id in candidates:
             pipe.exists(lease_key(response_id))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from openai.types.responses.service_tier import ServiceTier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from worker.errors import (
@@ -19,6 +20,12 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
+# The metadata limits as JSON Schema, for respool's OpenAPI document (the validator below enforces them).
+_METADATA_SCHEMA: dict[str, Any] = {
+    "maxProperties": MAX_METADATA_PAIRS,
+    "propertyNames": {"maxLength": MAX_METADATA_KEY},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+}
 Probability = Annotated[float, Field(ge=0, le=1)]
 # A response id as respool mints them (worker/ids.py) or OpenAI does: `resp_` and up to 59 more
 # characters (the column holds 64). Any other form is refused (400) before it reaches a lookup.
@@ -42,7 +49,7 @@ class CreateRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     include: list[str] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str] | None, Field(json_schema_extra=_METADATA_SCHEMA)] = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -54,7 +61,7 @@ class CreateRequest(BaseModel):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier = None
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=128)] | None = None
     prompt_cache_key: str | None = None
@@ -85,6 +92,24 @@ class CreateRequest(BaseModel):
     @property
     def is_stream(self) -> bool:
         return bool(self.stream)
+
+
+def check_no_nul(body: object, path: list[str | int] | None = None) -> None:
+    """Refuse a NUL character (U+0000) in any string or key of `body` with a 400 naming where: no
+    Postgres text or jsonb value can hold one, so it could not be recorded."""
+    path = path or []
+    if isinstance(body, str):
+        if "\x00" in body:
+            raise InvalidRequestError(
+                "Strings cannot contain the NUL character (\\u0000).", param=_param_path(path) or None
+            )
+    elif isinstance(body, dict):
+        for key, value in body.items():
+            check_no_nul(key, path)
+            check_no_nul(value, [*path, key])
+    elif isinstance(body, list):
+        for index, value in enumerate(body):
+            check_no_nul(value, [*path, index])
 
 
 def parse_create_request(body: object) -> CreateRequest:

@@ -68,6 +68,13 @@ class Routes:
             return Route(model, self.fallback.api, self.fallback.base_url, model, self.fallback.api_key_env)
         raise ModelNotFoundError(model)
 
+    def api_key_of(self, model: str) -> str:
+        """The key sent upstream for `model` ("" if none, or if the model is not routed)."""
+        try:
+            return self.resolve(model).api_key() or ""
+        except ModelNotFoundError:
+            return ""
+
     def listed(self) -> list[Route]:
         """The routes to show in `GET /v1/models` (a pass-through upstream has no names of its own)."""
         return sorted(self.models.values(), key=lambda route: route.model)

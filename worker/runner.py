@@ -43,7 +43,7 @@ from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
 from worker.translation import chat_request, chat_stream, coalesce, native, output
-from worker.upstream import RetryPolicy, UpstreamError, create_client, stream_json
+from worker.upstream import RetryPolicy, UpstreamError, create_client, redact, stream_json
 
 log = logging.getLogger("respool.runner")
 
@@ -364,10 +364,12 @@ async def _produce(
         return None
     except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
         await writer.settle()  # what was sent lands before the failure is told
-        log.info("response %s failed: %s", stored.id, exc)
+        # An upstream (or a proxy before it) may quote the key it was sent, in any failure it reports.
+        reason = redact(str(exc), rt.routes.api_key_of(stored.request["model"]))
+        log.info("response %s failed: %s", stored.id, reason)
         rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
         streamed = exc.output if isinstance(exc, UpstreamFailed) else []
-        return failed(response, f"The upstream model failed: {exc}", int(time.time()), output=streamed)
+        return failed(response, f"The upstream model failed: {reason}", int(time.time()), output=streamed)
     finally:
         rt.generating.discard(stored.id)
         await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
@@ -585,7 +587,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
 async def close_runtime(rt: Runtime) -> None:
     await rt.http.aclose()
     await rt.engine.dispose()
-    await rt.redis.aclose()
+    await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own
 
 
 def run_job(response_id: str) -> None:

@@ -10,56 +10,57 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
-from redis.exceptions import AuthenticationError as RedisAuthenticationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 from rq import Queue
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import logs, store
+from worker import chains, logs, store
+from worker.cancellation import Cancellation
 from worker.errors import (
     InvalidRequestError,
     OverloadedError,
-    PreviousResponseNotFoundError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
     UnavailableError,
 )
 from worker.events import (
     Event,
-    EventLog,
     connect,
     encode,
-    expire_response,
-    hiredis_packing,
     last_event,
     read_events,
 )
 from worker.ids import new_id
 from worker.items import check_tool_outputs, normalize_input
-from worker.keys import cancel_key, response_keys
-from worker.lease import Leases
-from worker.queue import delete_job, enqueue_commands, parse_server_version, remove_queued, response_queue
+from worker.keys import response_keys
+from worker.outages import database_outage, redis_outage
+from worker.queue import delete_job, enqueue_commands, parse_server_version, response_queue
+from worker.quota import Quotas, StreamSlot
 from worker.request import CreateRequest, parse_create_request
 from worker.response import LIVE, TERMINAL, Status, build_response, with_status
 from worker.routing import Route, Routes, UpstreamApi, load_routes
-from worker.runner import ResponseWriter, terminal_event
 from worker.settings import Settings
-from worker.tailer import Tailer
+from worker.tailer import TAILER_BLOCK_MS, Tailer, blocking_client
 from worker.translation import chat_request
 
 log = logging.getLogger("respool.service")
 
-CANCEL_FLAG_SECONDS = 3600
-TAILER_BLOCK_MS = 10_000
+
+@dataclass(frozen=True)
+class Stream:
+    """An event stream to relay: the events after `after`, and the slot it holds until it ends
+    (None while streams are unlimited); `Quotas.close_stream` gives the slot back."""
+
+    events: AsyncIterator[Event | None]
+    after: int
+    slot: StreamSlot | None
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Created:
 
     response: dict[str, Any]
     request: CreateRequest
+    stream: Stream | None = None
 
 
 class ResponseService:
@@ -83,11 +85,10 @@ class ResponseService:
         # A finished response's terminal event is waited for past its writer's lease (see `follow`).
         finishing = settings.lease_seconds + 5
         self.tailer = Tailer(
-            redis, _blocking_client(settings), block_ms=TAILER_BLOCK_MS, finishing_seconds=finishing
+            redis, blocking_client(settings), block_ms=TAILER_BLOCK_MS, finishing_seconds=finishing
         )
-        self.leases = Leases(redis, settings.lease_seconds)
-        self.log = EventLog(redis)
-        self.holder = f"api:{new_id('proc')}"
+        self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
+        self.quotas = Quotas(redis, settings)
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
@@ -103,8 +104,10 @@ class ResponseService:
 
     async def start(self) -> None:
         await self.tailer.start()
+        self.quotas.start()
 
     async def close(self) -> None:
+        await self.quotas.stop()
         await self.tailer.stop()
         await self.engine.dispose()
         await self.redis.aclose()
@@ -125,23 +128,42 @@ class ResponseService:
                 param="input",
             )
         await self._check_queue_depth()
+        # A stream takes its slot before anything is recorded: refused, it is safe to retry.
+        slot = await self.quotas.open_stream(owner) if request.is_stream else None
+        try:
+            response = await self._record(owner, request, route, own_items)
+        except BaseException:
+            await self.quotas.close_stream(slot)
+            raise
+        if not request.is_stream:
+            return Created(response, request)
+        events = self.follow(response["id"], -1, self.settings.sse_heartbeat_seconds)
+        return Created(response, request, Stream(events, -1, slot))
+
+    async def _record(
+        self, owner: str, request: CreateRequest, route: Route, own_items: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Record the response and enqueue it; its Response as created."""
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         await self._check_queue()
         # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
-        async with _database(), self.autocommit.connect() as conn:
-            history = await self._history(conn, owner, request.previous_response_id)
+        async with database_outage(), self.autocommit.connect() as conn:
+            history, depth = await chains.history(
+                conn, owner, request.previous_response_id, self.settings.max_chain_depth
+            )
             conversation = history + own_items
             check_tool_outputs(conversation, len(history))
             _check_translatable(route, request, conversation)
-            await store.insert_response(conn, _row(owner, request, response, conversation), own_items)
+            row = store.new_row(owner, request, response, conversation, depth)
+            await store.insert_response(conn, row, own_items)
         await self._enqueue(request, response)
-        return Created(response, request)
+        return response
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
-        async with _redis():
+        async with redis_outage():
             return int(await self.redis.llen(self.queue.key))
 
     async def _check_queue_depth(self) -> None:
@@ -155,26 +177,10 @@ class ResponseService:
                 f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
             )
 
-    async def _history(
-        self, conn: AsyncConnection, owner: str, previous_id: str | None
-    ) -> list[dict[str, Any]]:
-        """The earlier turns: the previous response's conversation and its output (one row read)."""
-        if previous_id is None:
-            return []
-        previous = await store.get_response(conn, previous_id, owner)
-        if previous is None or not previous.store:
-            raise PreviousResponseNotFoundError(previous_id)
-        if previous.status in LIVE:
-            raise InvalidRequestError(
-                f"Previous response with id '{previous_id}' is still {previous.status}; wait for it to finish.",
-                param="previous_response_id",
-            )
-        return previous.conversation + list(previous.response.get("output") or [])
-
     async def _check_queue(self) -> None:
         """Raise `UnavailableError` unless Redis answers: refused before anything is written, a create
         is safe for the SDK to retry (PROTOCOL.md §5.5)."""
-        async with _redis():
+        async with redis_outage():
             await self.redis.ping()
 
     async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
@@ -203,7 +209,7 @@ class ResponseService:
 
     async def _fail_unqueued(self, response: dict[str, Any]) -> None:
         try:
-            async with _database(), self.engine.begin() as conn:
+            async with database_outage(), self.engine.begin() as conn:
                 await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
         except UnavailableError:  # Postgres is gone too: the workers' sweep ends the row later
             log.error("response %s: could not mark the unqueued response failed", response["id"])
@@ -214,6 +220,14 @@ class ResponseService:
         """The Response as it stands (PROTOCOL.md §6.3 polling)."""
         return (await self._stored(owner, response_id)).response
 
+    async def replay(self, owner: str, response_id: str, after: int) -> Stream:
+        """The response's events after `after`, to relay (PROTOCOL.md §6.3): raises unless it
+        exists for `owner`, its events are still kept and `owner` may open one more stream."""
+        final = await self.check_streamable(owner, response_id)
+        slot = await self.quotas.open_stream(owner)
+        events = self.follow(response_id, after, self.settings.sse_heartbeat_seconds, final=final)
+        return Stream(events, after, slot)
+
     async def check_streamable(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Raise unless the response exists for `owner` and its events are still kept; its final
         Response if it has finished (then its stream is replayed, not followed for long).
@@ -221,7 +235,7 @@ class ResponseService:
         Redis is asked even for a live response, so an outage is a 503 before the stream starts.
         """
         stored = await self._stored(owner, response_id)
-        async with _redis():
+        async with redis_outage():
             last = await last_event(self.redis, response_id)
         if stored.status not in TERMINAL:
             return None
@@ -231,8 +245,8 @@ class ResponseService:
                 param="stream",
             )
         if not last.is_terminal:
-            async with _redis():
-                await self._end_stream(response_id, stored.response)
+            async with redis_outage():
+                await self.cancellation.end_stream(response_id, stored.response)
         return stored.response
 
     async def follow(
@@ -256,7 +270,7 @@ class ResponseService:
         position, is_ended = after, False
         is_finished = final is not None
         async with (
-            _redis(),
+            redis_outage(),
             contextlib.aclosing(self.tailer.follow(response_id, after, idle_seconds, is_finished)) as events,
         ):
             async for item in events:
@@ -264,7 +278,7 @@ class ResponseService:
                     position, is_ended = item.sequence_number, item.is_terminal
                 yield item
             if final is not None and not is_ended and position >= 0:
-                await self._end_stream(response_id, final)
+                await self.cancellation.end_stream(response_id, final)
                 for event in await read_events(self.redis, response_id, position):
                     yield event
 
@@ -289,7 +303,7 @@ class ResponseService:
     ) -> dict[str, Any]:
         """A page of the response's input items (PROTOCOL.md §5.1)."""
         await self._stored(owner, response_id)
-        async with _database(), self.engine.connect() as conn:
+        async with database_outage(), self.engine.connect() as conn:
             items, has_more = await store.list_input_items(
                 conn, response_id, after=after, limit=limit, order=order
             )
@@ -315,12 +329,12 @@ class ResponseService:
         stored = await self._stored(owner, response_id)
         if not stored.background:
             raise InvalidRequestError("Cannot cancel a synchronous response.", param="response_id")
-        cancelled = await self._cancel_live(owner, response_id)
+        cancelled = await self.cancellation.cancel_live(owner, response_id)
         if cancelled is None:  # already terminal, or it just finished
             stored = await self._stored(owner, response_id)
             if stored.status is not Status.CANCELLED:
                 raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
-            await self._finish_cancel(response_id, stored.response)
+            await self.cancellation.finish(response_id, stored.response)
             return stored.response
         return cancelled
 
@@ -328,34 +342,7 @@ class ResponseService:
         """The client of a foreground response went away: cancel it, so it stops costing GPU time
         (DESIGN.md §2, `RESPOOL_CANCEL_ON_DISCONNECT`). A no-op once it has ended."""
         if self.settings.cancel_on_disconnect:
-            await self._cancel_live(owner, response_id)
-
-    async def _cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
-        """Record the cancel (it wins atomically, PROTOCOL.md §7), then reach whoever holds the response."""
-        async with _database(), self.autocommit.connect() as conn:
-            cancelled = await store.mark_cancelled(conn, response_id, owner)
-        if cancelled is None:
-            return None
-        await self._signal_cancel(response_id, cancelled)
-        return cancelled
-
-    async def _signal_cancel(
-        self, response_id: str, cancelled: dict[str, Any], *, is_retry: bool = False
-    ) -> None:
-        """Reach whoever holds a cancelled response: the flag stops a worker running it; a job still
-        queued is removed and its stream ended here (on a retry, whether or not it was queued)."""
-        async with _redis():
-            await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
-            if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
-                await self._end_stream(response_id, cancelled)
-
-    async def _finish_cancel(self, response_id: str, cancelled: dict[str, Any]) -> None:
-        """A repeated cancel completes one an outage cut short after Postgres recorded it (its 503
-        made the SDK retry): the stream is still open, so signal again."""
-        async with _redis():
-            last = await last_event(self.redis, response_id)
-        if last is not None and not last.is_terminal:
-            await self._signal_cancel(response_id, cancelled, is_retry=True)
+            await self.cancellation.cancel_live(owner, response_id)
 
     async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
         """Delete a response, its input items and its events; a live background one is cancelled first."""
@@ -368,38 +355,23 @@ class ResponseService:
             await self.cancel(owner, response_id)
         # Redis first: if it is down, nothing is deleted yet and the SDK's retry finds the row.
         # Deleting the lease fences out a worker still running it: it can write nothing more.
-        async with _redis():
+        async with redis_outage():
             await self.redis.delete(*response_keys(response_id))
             await asyncio.to_thread(delete_job, self.queue, response_id)
-        async with _database(), self.engine.begin() as conn:
+        async with database_outage(), self.engine.begin() as conn:
             await store.delete_response(conn, response_id, owner)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def check_ready(self) -> None:
         """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
-        async with _redis():
+        async with redis_outage():
             await self.redis.ping()
-        async with _database(), self.autocommit.connect() as conn:
+        async with database_outage(), self.autocommit.connect() as conn:
             await conn.execute(text("SELECT 1"))
-
-    async def _end_stream(self, response_id: str, response: dict[str, Any]) -> None:
-        """End a never-run response's stream with its terminal event, under a lease of our own."""
-        lease = await self.leases.acquire(response_id, self.holder)
-        if lease is None:
-            return  # a worker holds it and will end the stream itself
-        try:
-            last = await last_event(self.redis, response_id)
-            if last is None or not last.is_terminal:
-                next_sequence = 0 if last is None else last.sequence_number + 1
-                writer = ResponseWriter(self.log, lease, next_sequence)
-                await writer.emit([terminal_event(response)], final=True)
-            await expire_response(self.redis, response_id, self.settings.stream_ttl_seconds)
-        finally:
-            await self.leases.release(lease)
 
     async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
         logs.RESPONSE_ID.set(response_id)
-        async with _database(), self.autocommit.connect() as conn:
+        async with database_outage(), self.autocommit.connect() as conn:
             stored = await store.get_response(conn, response_id, owner)
         if stored is None or not stored.store:
             raise ResponseNotFoundError(response_id)
@@ -410,61 +382,3 @@ def _check_translatable(route: Route, request: CreateRequest, conversation: list
     """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
     if route.api is not UpstreamApi.RESPONSES:
         chat_request.to_chat_request(request.model_dump(exclude_unset=True), conversation, route.model)
-
-
-def _row(
-    owner: str, request: CreateRequest, response: dict[str, Any], conversation: list[dict[str, Any]]
-) -> dict[str, Any]:
-    return {
-        "id": response["id"],
-        "owner": owner,
-        "status": Status.QUEUED,
-        "model": request.model,
-        "background": request.is_background,
-        "store": request.is_stored,
-        "stream": request.is_stream,
-        "previous_response_id": request.previous_response_id,
-        "request": request.model_dump(exclude_unset=True),
-        "conversation": conversation,
-        "response": response,
-    }
-
-
-def _blocking_client(settings: Settings) -> Redis:
-    """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
-    that plus the usual one (a shorter one would cut every idle XREAD short)."""
-    timeout = settings.redis_timeout_seconds
-    client = Redis.from_url(
-        settings.redis_url,
-        max_connections=1,
-        socket_connect_timeout=timeout,
-        socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
-    )
-    hiredis_packing(client.connection_pool)
-    return client
-
-
-@contextlib.asynccontextmanager
-async def _unavailable_on(is_outage: Callable[[Exception], bool], message: str) -> AsyncIterator[None]:
-    """Map a backing server's outage to `UnavailableError` (503 + retry-after) at this boundary."""
-    try:
-        yield
-    except Exception as exc:
-        if is_outage(exc):
-            raise UnavailableError(message) from exc
-        raise
-
-
-def _redis() -> contextlib.AbstractAsyncContextManager[None]:
-    return _unavailable_on(_is_redis_outage, "The queue (Redis) is unavailable; retry the request shortly.")
-
-
-def _database() -> contextlib.AbstractAsyncContextManager[None]:
-    return _unavailable_on(store.is_unreachable, "The database is unavailable; retry the request shortly.")
-
-
-def _is_redis_outage(exc: Exception) -> bool:
-    """Unreachable, hung, still loading its data (a ConnectionError), or a replica after a failover."""
-    if not isinstance(exc, RedisError) or isinstance(exc, RedisAuthenticationError):
-        return False  # a misconfiguration, not an outage: a 500 that says so in the log
-    return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError)

@@ -41,6 +41,19 @@ class Settings(BaseSettings):
     # 413 before more of it is read; more input items than max_input_items with 400.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_input_items: int = Field(default=2048, ge=1)
+    # How many responses may precede a new one through previous_response_id (a 400 past it): each
+    # row holds its whole conversation, so an unbounded chain would grow rows without end.
+    max_chain_depth: int = Field(default=1000, ge=1)
+    # Slow clients (issue 7): a request body must have arrived this long after its headers (408
+    # otherwise), and an SSE write the client leaves untaken this long drops its stream.
+    body_timeout_seconds: float = Field(default=30.0, gt=0)
+    sse_write_timeout_seconds: float = Field(default=60.0, gt=0)
+    # Per-owner quotas (issue 7), kept in Redis so they bind every API replica together: requests a
+    # minute, and event streams open at once (429 with `retry-after` past either; 0: no limit). Off
+    # by default: no single number suits every deployment, and without RESPOOL_API_KEYS every
+    # client is one owner, so a per-key limit would silently be a global one.
+    rate_limit_per_minute: int = Field(default=0, ge=0)
+    max_streams_per_key: int = Field(default=0, ge=0)
 
     # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
     api_replicas: int = 1

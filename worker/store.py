@@ -6,16 +6,18 @@ Every status change is one compare-and-set `UPDATE … WHERE status IN (…)`, h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 import orjson
-from sqlalchemy import bindparam, delete, func, insert, literal_column, select, update
+from sqlalchemy import bindparam, delete, func, insert, literal_column, select, tuple_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from worker.models import InputItemRow, ResponseRow
+from worker.request import CreateRequest
 from worker.response import LIVE, Status
 
 
@@ -55,6 +57,10 @@ def async_url(database_url: str) -> str:
     return database_url
 
 
+# Where a live row stands in the sweep's order: (created_at, id).
+type LivePosition = tuple[datetime, str]
+
+
 @dataclass(frozen=True)
 class StoredResponse:
     """What the API and the worker read of a response row."""
@@ -69,6 +75,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
     attempt: int
+    chain_depth: int
 
 
 _COLUMNS = (
@@ -82,6 +89,7 @@ _COLUMNS = (
     ResponseRow.conversation,
     ResponseRow.response,
     ResponseRow.attempt,
+    ResponseRow.chain_depth,
 )
 
 
@@ -98,6 +106,7 @@ _NEW_ROW = (
     "request",
     "conversation",
     "response",
+    "chain_depth",
 )
 _CREATED = (
     insert(ResponseRow)
@@ -148,6 +157,30 @@ _MARK_FINISHED = (
         completed_at=func.now(),
     )
 )
+
+
+def new_row(
+    owner: str,
+    request: CreateRequest,
+    response: dict[str, Any],
+    conversation: list[dict[str, Any]],
+    chain_depth: int,
+) -> dict[str, Any]:
+    """The columns of a new response row (`_NEW_ROW`), for `insert_response`."""
+    return {
+        "id": response["id"],
+        "owner": owner,
+        "status": Status.QUEUED,
+        "model": request.model,
+        "background": request.is_background,
+        "store": request.is_stored,
+        "stream": request.is_stream,
+        "previous_response_id": request.previous_response_id,
+        "request": request.model_dump(exclude_unset=True),
+        "conversation": conversation,
+        "response": response,
+        "chain_depth": chain_depth,
+    }
 
 
 async def insert_response(
@@ -269,16 +302,19 @@ async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int)
     return result.rowcount == 1
 
 
-async def live_response_ids(conn: AsyncConnection, older_than_seconds: float, limit: int) -> list[str]:
-    """Ids of queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view)."""
+async def live_response_ids(
+    conn: AsyncConnection, older_than_seconds: float, limit: int, after: LivePosition | None = None
+) -> list[LivePosition]:
+    """Queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view), as
+    (created_at, id), oldest first, after `after`: the sweep pages through all of them."""
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
-    query = (
-        select(ResponseRow.id)
-        .where(ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff)
-        .order_by(ResponseRow.created_at)
-        .limit(limit)
+    query = select(ResponseRow.created_at, ResponseRow.id).where(
+        ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff
     )
-    return list((await conn.execute(query)).scalars())
+    if after is not None:
+        query = query.where(tuple_(ResponseRow.created_at, ResponseRow.id) > tuple_(*after))
+    query = query.order_by(ResponseRow.created_at, ResponseRow.id).limit(limit)
+    return [(row.created_at, row.id) for row in await conn.execute(query)]
 
 
 async def delete_expired(conn: AsyncConnection, retention_days: float, limit: int) -> int:

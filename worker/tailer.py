@@ -25,12 +25,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from worker.events import Entry, Event, decode_entry, entry_id, last_event, read_events
+from worker.events import Entry, Event, decode_entry, entry_id, hiredis_packing, last_event, read_events
 from worker.keys import events_key, wake_key
+from worker.settings import Settings
 
 log = logging.getLogger("respool.tailer")
 
 REPLAY_PAGE = 1000
+TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
 
 
 @dataclass(eq=False)
@@ -191,3 +193,17 @@ class Tailer:
                 if event.sequence_number > subscriber.position:
                     subscriber.queue.put_nowait(event)
                     subscriber.position = event.sequence_number
+
+
+def blocking_client(settings: Settings) -> Redis:
+    """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
+    that plus the usual one (a shorter one would cut every idle XREAD short)."""
+    timeout = settings.redis_timeout_seconds
+    client = Redis.from_url(
+        settings.redis_url,
+        max_connections=1,
+        socket_connect_timeout=timeout,
+        socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
+    )
+    hiredis_packing(client.connection_pool)
+    return client

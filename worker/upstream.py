@@ -18,6 +18,8 @@ Rules:
   bounded by the cap. A stall before any output is retried too: nothing reached a client yet.
 - anything after the first payload => raised at once: that output already reached clients
 - retries run out => the last cause, saying how many attempts were made
+- the upstream key, quoted back in an error (by the upstream, or a proxy before it) => `[redacted]`
+  in the message, so it reaches no row, event, log or client
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from asyncio import sleep
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -44,6 +47,7 @@ log = logging.getLogger("respool.upstream")
 type Payload = dict[str, Any]
 
 CONNECT_SECONDS = 10.0
+REDACTED = "[redacted]"
 # httpx faults that say nothing about the request itself: another attempt may well succeed.
 # (LocalProtocolError, UnsupportedProtocol, ProxyError, DecodingError, TooManyRedirects, SSEError:
 # it won't.)
@@ -57,6 +61,17 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+    def redact(self, secret: str) -> UpstreamError:
+        """Cut `secret` out of the message, in place; returns self."""
+        self.message = redact(self.message, secret)
+        self.args = (self.message, *self.args[1:])
+        return self
+
+
+def redact(text: str, secret: str) -> str:
+    """`text` with every `secret` in it replaced by `[redacted]`."""
+    return text.replace(secret, REDACTED) if secret else text
 
 
 class TransientUpstreamError(UpstreamError):
@@ -189,7 +204,15 @@ async def _attempt(client: httpx2.AsyncClient, request: httpx2.Request) -> Async
         finally:
             await reply.aclose()
     except httpx2.HTTPError as exc:
-        raise _map_httpx_error(exc, request, client.timeout) from exc
+        raise _map_httpx_error(exc, request, client.timeout).redact(_sent_key(request)) from exc
+    except UpstreamError as exc:
+        exc.redact(_sent_key(request))
+        raise
+
+
+def _sent_key(request: httpx2.Request) -> str:
+    """The key the request carried, if any (what an upstream could quote back)."""
+    return request.headers.get("authorization", "").removeprefix("Bearer ")
 
 
 def _map_httpx_error(
@@ -260,12 +283,20 @@ def _seconds_until(http_date: str) -> float | None:
     return (when - datetime.now(UTC)).total_seconds()
 
 
+# A NUL (`\\u0000`, not an escaped backslash before "u0000") in what a model sends: no Postgres text
+# or jsonb value can hold it, so the response could not be recorded. It becomes U+FFFD, the
+# replacement character, before anything sees it: the events and the stored response agree.
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
 def _data(line: str) -> Payload | None:
     if not line.startswith("data:"):
         return None
     text = line[5:].strip()
     if not text or text == "[DONE]":
         return None
+    if "\\u0000" in text:
+        text = _NUL_ESCAPE.sub("\\1\\\\ufffd", text)
     try:
         payload = orjson.loads(text)
     except orjson.JSONDecodeError as exc:

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
 
 from tests.conftest import make_sdk, own_stack
-from tests.support.stack import Servers, Stack
+from tests.support.stack import Servers, Stack, rows_with_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -39,15 +37,5 @@ def test_a_full_queue_answers_429_with_retry_after(full_queue: openai.OpenAI, ba
     assert caught.value.code == "rate_limit_exceeded"
     assert int(caught.value.response.headers["retry-after"]) > 0
     assert "RESPOOL_MAX_QUEUE_DEPTH" in caught.value.message
-    refused = _rows_with_metadata(backing, model)
+    refused = rows_with_metadata(backing, model)
     assert refused == 0
-
-
-def _rows_with_metadata(backing: Servers, marker: str) -> int:
-    engine = create_engine(backing.database_url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            query = text("SELECT count(*) FROM response WHERE request->'metadata'->>'m' = :m")
-            return int(conn.execute(query, {"m": marker}).scalar_one())
-    finally:
-        engine.dispose()

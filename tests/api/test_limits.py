@@ -7,17 +7,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import orjson
 import pytest
 from redis import Redis
 
-from tests.conftest import own_stack
+from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack
 
 pytestmark = pytest.mark.integration
 
 MAX_BODY = 64 * 1024
 MAX_ITEMS = 8
+MAX_CHAIN = 3
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +130,106 @@ def test_a_malformed_previous_response_id_is_400(http: httpx.Client) -> None:
 def test_an_input_items_cursor_past_its_length_is_400(http: httpx.Client) -> None:
     answer = http.get("/responses/resp_0123/input_items", params={"after": "a" * 129})
     assert _error(answer, 400)["param"] == "after"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "input": "a\u0000b"}, "input"),
+        ({"model": "m", "input": "x", "metadata": {"k": "v\u0000"}}, "metadata.k"),
+        ({"model": "m", "input": [{"role": "user", "content": "\u0000"}]}, "input[0].content"),
+        ({"model": "m", "input": "x", "unknown\u0000key": 1}, None),
+    ],
+)
+def test_a_nul_character_anywhere_is_400_naming_where(
+    limited: Stack, backing: Servers, http: httpx.Client, body: dict[str, object], param: str | None
+) -> None:
+    """Postgres can hold no NUL in text or jsonb: refused up front, not a 500 after the fact."""
+    before = _queued(limited, backing)
+    error = _error(http.post("/responses", json={**body, "background": True}), 400)
+    assert (error["param"], "NUL" in str(error["message"])) == (param, True)
+    assert _queued(limited, backing) == before
+
+
+def test_an_escaped_backslash_before_u0000_is_no_nul(
+    limited: Stack, backing: Servers, http: httpx.Client
+) -> None:
+    """`\\\\u0000` in JSON is a backslash and the text "u0000": it is accepted as sent."""
+    body = b'{"model": "m", "background": true, "input": "a\\\\u0000b"}'
+    answer = http.post("/responses", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 200, answer.text
+    items = http.get(f"/responses/{answer.json()['id']}/input_items").json()["data"]
+    assert items[0]["content"][0]["text"] == "a\\u0000b"
+
+
+def test_a_nul_in_the_input_items_cursor_is_400(http: httpx.Client) -> None:
+    answer = http.get("/responses/resp_0123/input_items", params={"after": "msg_\u0000"})
+    assert _error(answer, 400)["param"] == "after"
+
+
+def test_a_stream_cursor_past_any_sequence_number_is_400(http: httpx.Client) -> None:
+    """Past 2**53 - 1 no event has a number (and Redis ids end at 2**64): refused, not a broken stream."""
+    answer = http.get("/responses/resp_0123", params={"stream": "true", "starting_after": str(2**53)})
+    assert _error(answer, 400)["param"] == "starting_after"
+
+
+def test_an_unknown_service_tier_is_400(http: httpx.Client) -> None:
+    body = {"model": "m", "input": "x", "background": True, "service_tier": "gold"}
+    assert _error(http.post("/responses", json=body), 400)["param"] == "service_tier"
+
+
+def test_a_method_a_path_does_not_take_is_405_listing_every_method_it_takes(http: httpx.Client) -> None:
+    answer = http.put("/responses/resp_0123")
+    assert _error(answer, 405)["type"] == "invalid_request_error"
+    assert answer.headers["allow"] == "DELETE, GET"
+
+
+def test_the_openapi_document_covers_every_route(limited: Stack) -> None:
+    """Every route the API answers is in /openapi.json with its answers; /metrics is not an API."""
+    document = httpx.get(f"{limited.url}/openapi.json", timeout=30).json()
+    served = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+    assert served == {
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
+        ("GET", "/v1/responses/{response_id}/input_items"),
+        ("GET", "/v1/models"),
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+    }
+    create = document["paths"]["/v1/responses"]["post"]
+    assert create["requestBody"]["content"]["application/json"]["schema"]["required"] == ["model", "input"]
+    assert set(create["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "security" not in create  # this API has no keys; with keys, schemathesis' ignored_auth holds it
+
+
+@pytest.fixture(scope="module")
+def chained(backing: Servers, session_dir: Path, stack: Stack) -> Iterator[openai.OpenAI]:
+    """The SDK on an API and worker of their own that continue chains of at most MAX_CHAIN responses."""
+    running = own_stack(backing, session_dir, "chains", RESPOOL_MAX_CHAIN_DEPTH=str(MAX_CHAIN))
+    running.start_api("api-chains")
+    running.start_worker("worker-chains")
+    with make_sdk(running.url, "anything") as client:
+        yield client
+    running.stop_all()
+
+
+def test_a_chain_past_its_depth_limit_is_400_and_records_nothing(chained: openai.OpenAI) -> None:
+    """Responses 0..MAX_CHAIN chain (MAX_CHAIN precede the last); one more is refused, naming
+    previous_response_id; a branch from inside the chain is still fine."""
+    chain = [chained.responses.create(model="synthetic", input="turn 0")]
+    for turn in range(1, MAX_CHAIN + 1):
+        chain.append(
+            chained.responses.create(
+                model="synthetic", input=f"turn {turn}", previous_response_id=chain[-1].id
+            )
+        )
+    assert all(response.status == "completed" for response in chain)
+    with pytest.raises(openai.BadRequestError) as refused:
+        chained.responses.create(model="synthetic", input="one too many", previous_response_id=chain[-1].id)
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert (error["param"], error["code"]) == ("previous_response_id", "previous_response_chain_too_long")
+    branch = chained.responses.create(model="synthetic", input="a branch", previous_response_id=chain[-2].id)
+    assert branch.status == "completed"

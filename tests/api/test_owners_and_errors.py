@@ -2,46 +2,138 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from fastapi.routing import APIRoute
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from tests.support.stack import Stack
+from api.routes import router
+from tests.conftest import KEY_B
+from tests.support.faults import wait_until_ended
+from tests.support.stack import Stack, wait_for
+from tests.support.upstream_process import ScriptedUpstream
+from worker.ids import new_id
 
 pytestmark = pytest.mark.integration
 
-ROUTES: dict[str, Callable[[openai.OpenAI, str], Any]] = {
-    "retrieve": lambda c, rid: c.responses.retrieve(rid),
-    "stream": lambda c, rid: list(c.responses.retrieve(rid, stream=True)),
-    "cancel": lambda c, rid: c.responses.cancel(rid),
-    "delete": lambda c, rid: c.responses.delete(rid),
-    "input_items": lambda c, rid: c.responses.input_items.list(rid),
-}
+
+@dataclass(frozen=True)
+class Probe:
+    """A request naming a response by id, in its path (`{response_id}`) or as `previous_response_id`."""
+
+    name: str
+    method: str
+    route: str  # the route's template, as /openapi.json lists it
+    params: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] | None = None
+
+    @property
+    def status(self) -> int:
+        """What it answers for an id that names nothing (PROTOCOL.md §5.4)."""
+        return 400 if self.body is not None else 404
+
+    def send(self, http: httpx.Client, key: str, response_id: str) -> httpx.Response:
+        path = self.route.replace("{response_id}", response_id)
+        body = None if self.body is None else {**self.body, "previous_response_id": response_id}
+        headers = {"authorization": f"Bearer {key}"}
+        return http.request(self.method, path, params=self.params, json=body, headers=headers)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_another_owner_sees_nothing(
-    client: openai.OpenAI, other_client: openai.OpenAI, model: str, route: str
+ONE = "/v1/responses/{response_id}"
+CREATE = {"model": "synthetic", "input": "x"}
+# Every path to a response, by route. A route under /v1 that is neither here nor in OWNERLESS fails
+# test_every_route_is_probed, so a new one cannot be forgotten.
+PROBES = [
+    Probe("retrieve", "GET", ONE),
+    Probe("stream", "GET", ONE, {"stream": "true"}),
+    Probe("replay", "GET", ONE, {"stream": "true", "starting_after": "1"}),
+    Probe("cancel", "POST", ONE + "/cancel"),
+    Probe("delete", "DELETE", ONE),
+    Probe("input_items", "GET", ONE + "/input_items"),
+    Probe("input_items page", "GET", ONE + "/input_items", {"order": "asc", "limit": "1", "after": "msg_1"}),
+    Probe("previous_response_id", "POST", "/v1/responses", body=CREATE),
+    Probe("previous_response_id streamed", "POST", "/v1/responses", body={**CREATE, "stream": True}),
+    Probe("previous_response_id background", "POST", "/v1/responses", body={**CREATE, "background": True}),
+]
+# Routes that name no response: the same answer for every owner.
+OWNERLESS = {("GET", "/v1/models")}
+
+
+@pytest.fixture(scope="module")
+def owned(client: openai.OpenAI, upstream: ScriptedUpstream) -> Iterator[dict[str, str]]:
+    """Tenant A's responses, by state: one completed, and one live (its upstream never answers)."""
+    model = f"owned-{uuid.uuid4().hex[:8]}"
+    upstream.script(f"{model}-hung", {"hang": True})
+    completed = client.responses.create(model=model, input="mine", background=True).id
+    live = client.responses.create(model=f"{model}-hung", input="mine", background=True).id
+    wait_until_ended(client, [completed], timeout=30)
+    wait_for(lambda: client.responses.retrieve(live).status == "in_progress", what="the live one to start")
+    yield {"completed": completed, "live": live}
+    client.responses.cancel(live)
+
+
+def test_every_route_is_probed(stack: Stack) -> None:
+    """Every route under /v1, as the API's /openapi.json lists it or its router holds it (one left out
+    of the schema too), is probed below, or names no response at all."""
+    paths = httpx.get(stack.url + "/openapi.json").json()["paths"]
+    listed = {
+        (method.upper(), path) for path, ops in paths.items() if path.startswith("/v1") for method in ops
+    }
+    held = {
+        (method, route.path)
+        for route in router.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods
+    }
+    assert listed | held == {(probe.method, probe.route) for probe in PROBES} | OWNERLESS
+
+
+def _seen(answer: httpx.Response, response_id: str) -> tuple[int, dict[str, str], str]:
+    """What a caller can tell from an answer, the id it asked about and per-request headers aside."""
+    headers = {name: value for name, value in answer.headers.items() if name not in {"date", "x-request-id"}}
+    return answer.status_code, headers, answer.text.replace(response_id, "<id>")
+
+
+def _state(client: openai.OpenAI, response_id: str) -> tuple[Any, ...]:
+    """Tenant A's view of its response: status, event types, input items."""
+    response = client.responses.retrieve(response_id)
+    events = (
+        [] if response.status == "in_progress" else list(client.responses.retrieve(response_id, stream=True))
+    )
+    items = [item.id for item in client.responses.input_items.list(response_id)]
+    return response.status, [event.type for event in events], items
+
+
+@pytest.mark.parametrize("state", ["completed", "live"])
+@pytest.mark.parametrize("probe", PROBES, ids=lambda probe: probe.name)
+def test_another_owners_response_is_indistinguishable_from_none(
+    stack: Stack, client: openai.OpenAI, owned: dict[str, str], probe: Probe, state: str
 ) -> None:
-    """Every route answers 404 to a key of another owner, and the response is untouched."""
-    response = client.responses.create(model=model, input="mine", background=True)
-    with pytest.raises(openai.NotFoundError):
-        ROUTES[route](other_client, response.id)
-    assert client.responses.retrieve(response.id).id == response.id
-
-
-def test_another_owner_cannot_chain(client: openai.OpenAI, other_client: openai.OpenAI, model: str) -> None:
-    """previous_response_id of another owner's response is a 400 previous_response_not_found."""
-    response = client.responses.create(model=model, input="mine")
-    with pytest.raises(openai.BadRequestError) as caught:
-        other_client.responses.create(model=model, input="x", previous_response_id=response.id)
-    assert caught.value.code == "previous_response_not_found"
+    """With tenant B's key, A's response gets exactly the answer a guessed id that names nothing
+    gets (404, or 400 previous_response_not_found): same status, headers and body but for the id.
+    A's response is as it was."""
+    response_id = owned[state]
+    before = _state(client, response_id)
+    guessed = new_id("resp")
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        theirs = probe.send(http, KEY_B, response_id)
+        nothing = probe.send(http, KEY_B, guessed)
+    assert theirs.status_code == probe.status, theirs.text
+    assert _seen(theirs, response_id) == _seen(nothing, guessed)
+    error = theirs.json()["error"]
+    if probe.body is None:
+        assert (error["type"], error["param"]) == ("invalid_request_error", "response_id")
+    else:
+        assert (error["code"], error["param"]) == ("previous_response_not_found", "previous_response_id")
+    assert _state(client, response_id) == before
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong"])

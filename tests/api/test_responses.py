@@ -207,3 +207,17 @@ def test_upstream_error_fails_the_response(
     response = client.responses.create(model=model, input="x")
     assert response.status == "failed"
     assert response.error is not None and "context too long" in response.error.message
+
+
+def test_a_nul_the_model_sends_becomes_the_replacement_character(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """Postgres can hold no NUL: the model's text is recorded with U+FFFD in its place, the same in
+    the stream and the stored response, instead of failing the response."""
+    upstream.script(model, {"text": "a\u0000b c"})
+    with client.responses.create(model=model, input="x", stream=True) as stream:
+        deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+    assert deltas == "a\ufffdb c"
+    created = client.responses.create(model=model, input="x", background=True)
+    stored = until_status(client, created.id, "completed", "failed")
+    assert (stored.status, stored.output_text) == ("completed", "a\ufffdb c")

@@ -21,7 +21,7 @@ from api.errors import committed_error_response, error_response
 from api.sse import error_frame
 from tests.support.schema import validate_event
 from worker.errors import UnavailableAfterCommitError, UnavailableError
-from worker.service import _database, _redis
+from worker.outages import database_outage, redis_outage
 
 # The API still answers with ORJSONResponse, which this FastAPI deprecates: not this module's subject.
 pytestmark = pytest.mark.filterwarnings("ignore::fastapi.exceptions.FastAPIDeprecationWarning")
@@ -51,7 +51,7 @@ POSTGRES_FAULTS = [_dbapi(sqlalchemy_errors.IntegrityError), _dbapi(sqlalchemy_e
 async def test_redis_outages_are_unavailable(error: Exception) -> None:
     """Each way Redis can be unreachable becomes UnavailableError, the original kept as its cause."""
     with pytest.raises(UnavailableError) as caught:
-        async with _redis():
+        async with redis_outage():
             raise error
     assert caught.value.__cause__ is error
 
@@ -60,7 +60,7 @@ async def test_redis_outages_are_unavailable(error: Exception) -> None:
 async def test_other_redis_errors_pass_through(error: Exception) -> None:
     """A Redis error that is not an outage (a misconfiguration, a bug) is not disguised as one."""
     with pytest.raises(type(error)):
-        async with _redis():
+        async with redis_outage():
             raise error
 
 
@@ -68,7 +68,7 @@ async def test_other_redis_errors_pass_through(error: Exception) -> None:
 async def test_postgres_outages_are_unavailable(error: Exception) -> None:
     """Each way Postgres can be unreachable becomes UnavailableError."""
     with pytest.raises(UnavailableError):
-        async with _database():
+        async with database_outage():
             raise error
 
 
@@ -76,7 +76,7 @@ async def test_postgres_outages_are_unavailable(error: Exception) -> None:
 async def test_other_postgres_errors_pass_through(error: Exception) -> None:
     """A Postgres error that is not an outage is not disguised as one."""
     with pytest.raises(type(error)):
-        async with _database():
+        async with database_outage():
             raise error
 
 

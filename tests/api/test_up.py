@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import make_sdk
 from tests.support.stack import free_port, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.once]  # its own embedded servers
 
 # The console script `uv run respool` runs: the README's first command, as a user types it.
 RESPOOL = str(Path(sys.executable).with_name("respool"))

@@ -82,6 +82,17 @@ def servers() -> Iterator[Servers]:
             stop()
 
 
+def rows_with_metadata(backing: Servers, marker: str) -> int:
+    """How many response rows were recorded with `metadata: {"m": marker}` (nothing recorded: 0)."""
+    engine = create_engine(backing.database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            query = text("SELECT count(*) FROM response WHERE request->'metadata'->>'m' = :m")
+            return int(conn.execute(query, {"m": marker}).scalar_one())
+    finally:
+        engine.dispose()
+
+
 def _fresh_database(url: str) -> tuple[str, Callable[[], None]]:
     from worker.store import async_url
 

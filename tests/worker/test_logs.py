@@ -51,6 +51,7 @@ def test_a_record_out_of_context_has_no_ids_and_keeps_its_traceback() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.once
 def test_a_worker_logs_json_lines_naming_the_response(
     backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack, model: str
 ) -> None:

@@ -13,7 +13,7 @@ from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from tests.support.stack import Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.once]
 
 HELD = 200
 

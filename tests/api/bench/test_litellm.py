@@ -28,6 +28,8 @@ from tests.support.stack import free_port
 from tests.support.upstream_process import ScriptedUpstream
 
 UPSTREAM_URL = "http://127.0.0.1:9999/v1"
+# Neither Redis nor Postgres is involved: CI runs these once (marker `once`).
+pytestmark = pytest.mark.once
 ECHO = "Hello from the scripted upstream. You said: hi"
 INSTALL_HINT = (
     "LiteLLM is not installed: `uv venv /opt/litellm-venv --python 3.12 && "

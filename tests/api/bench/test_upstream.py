@@ -28,6 +28,8 @@ from tests.support.upstream_process import REPO_ROOT, read_listening_url
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"}]
 integration = pytest.mark.integration
+# Neither Redis nor Postgres is involved: CI runs these once (marker `once`).
+pytestmark = pytest.mark.once
 
 
 @dataclass(frozen=True)
