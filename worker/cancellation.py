@@ -22,8 +22,8 @@ from worker.keys import cancel_key
 from worker.lease import Leases
 from worker.outages import database_outage, redis_outage
 from worker.queue import remove_queued
-from worker.runner import ResponseWriter, terminal_event
 from worker.settings import Settings
+from worker.writer import ResponseWriter, terminal_event
 
 CANCEL_FLAG_SECONDS = 3600
 

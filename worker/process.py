@@ -34,7 +34,8 @@ from rq.worker import BaseWorker
 from worker.keys import cancel_key
 from worker.queue import job_statuses, response_queue
 from worker.recovery import sweep
-from worker.runner import RunEnd, Runtime, close_runtime, open_runtime, run_response
+from worker.runner import run_response
+from worker.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 from worker.store import is_unreachable
 

@@ -5,7 +5,8 @@ runs the response again, or ends it when output had already reached clients (wor
 The sweep handles what that cannot: it ends `failed`, with a message saying why, every live row
 (queued or in progress) that is older than a grace period, whose lease nobody holds, and whose job
 RQ no longer holds as waiting or running (it gave up after `max_attempts`, or Redis lost the job).
-It also deletes stored responses finished more than `retention_days` ago.
+In-progress rows are all looked at every sweep; queued rows, a bounded number of pages per sweep
+(`end_orphans`). It also deletes stored responses finished more than `retention_days` ago.
 
 Every worker runs it every `maintenance_seconds`; a Redis lock lets one of them at a time do it.
 """
@@ -15,17 +16,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from datetime import datetime
 
+import orjson
 from rq.job import JobStatus
 
 from worker import store
 from worker.keys import PREFIX, lease_key
-from worker.runner import Runtime, end_response
+from worker.response import Status
+from worker.runner import end_response
+from worker.runtime import Runtime
 from worker.settings import Settings
 
 log = logging.getLogger("respool.recovery")
 
 BATCH = 500
+# Pages of queued rows one sweep reads (see end_orphans), and how long the place it stopped is kept.
+QUEUED_PAGES = 4
+CURSOR_TTL = 3600
 # Job states in which RQ will still run, or is running, the job.
 _HELD = frozenset(
     {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED, JobStatus.CREATED}
@@ -54,24 +62,54 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     return ended
 
 
-async def end_orphans(rt: Runtime, settings: Settings, job_statuses: JobStatuses, batch: int = BATCH) -> int:
-    """End every orphaned live response (see the module docstring); the number ended. Every live
-    row is looked at, a page at a time: a backlog of queued responses (held by RQ) must not hide
-    an orphan behind it."""
+async def end_orphans(
+    rt: Runtime, settings: Settings, job_statuses: JobStatuses, batch: int = BATCH, pages: int = QUEUED_PAGES
+) -> int:
+    """End orphaned live responses (see the module docstring); the number ended.
+
+    Two lanes. Every in-progress row is looked at each sweep, a page at a time: they are few (what
+    the workers run) and hold nearly every orphan (a worker died, or RQ gave its job up), so these
+    are ended within one sweep. Queued rows can be a backlog of any depth, nearly all held by RQ;
+    an orphan among them means Redis lost its job. Each sweep reads at most `pages` pages of them,
+    from where the last sweep (of any worker) stopped, starting over after the newest: every queued
+    row is still looked at, at a bounded cost per sweep.
+    """
     grace = max(10.0, 2.0 * settings.registry_seconds)
     ended, after = 0, None
     while True:
         async with rt.engine.connect() as conn:
-            page = await store.live_response_ids(conn, grace, batch, after)
-        if page:
-            ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
+            page = await store.live_response_ids(conn, Status.IN_PROGRESS, grace, batch, after)
+        ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
         if len(page) < batch:
-            return ended
+            break
         after = page[-1]
+    cursor = f"{PREFIX}:sweep:{settings.queue}:queued"
+    after = _position(await rt.redis.get(cursor))
+    for _ in range(pages):
+        async with rt.engine.connect() as conn:
+            page = await store.live_response_ids(conn, Status.QUEUED, grace, batch, after)
+        ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
+        if len(page) < batch:
+            await rt.redis.delete(cursor)  # the newest reached: the next sweep starts over
+            break
+        after = page[-1]
+        await rt.redis.set(cursor, orjson.dumps([after[0].isoformat(), after[1]]), ex=CURSOR_TTL)
+    return ended
+
+
+def _position(raw: bytes | str | None) -> store.LivePosition | None:
+    """A stored cursor; none (start over) if there is none or it cannot be read."""
+    try:
+        created_at, response_id = orjson.loads(raw) if raw else (None, None)
+        return (datetime.fromisoformat(created_at), str(response_id)) if created_at else None
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None
 
 
 async def _end_unheld(rt: Runtime, candidates: list[str], job_statuses: JobStatuses) -> int:
     """End those of `candidates` nobody holds: no lease, and no job RQ will still run."""
+    if not candidates:
+        return 0
     async with rt.redis.pipeline(transaction=False) as pipe:
         for response_id in candidates:
             pipe.exists(lease_key(response_id))

@@ -12,55 +12,34 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import partial
 from typing import Any
-
-import httpx2
-from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError as RedisResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import logs, store
 from worker.errors import RespoolError
 from worker.events import (
-    AppendResult,
     Event,
-    EventLog,
-    connect,
-    encode,
     expire_response,
     last_event,
     read_events,
 )
-from worker.lease import Lease, Leases
+from worker.lease import Lease
 from worker.metrics import WorkerMetrics
 from worker.response import TERMINAL, Status, failed, finished
-from worker.routing import Route, Routes, UpstreamApi, load_routes
+from worker.routing import Route, UpstreamApi
+from worker.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
-from worker.translation import chat_request, chat_stream, coalesce, native, output
-from worker.upstream import RetryPolicy, UpstreamError, create_client, redact, stream_json
+from worker.translation import chat_request, chat_stream, native, output
+from worker.upstream import UpstreamError, redact, stream_json
+from worker.writer import BEFORE_OUTPUT, CancelRequested, FencedOut, ResponseWriter, terminal_event
 
 log = logging.getLogger("respool.runner")
 
-# Events after which no output has reached a client yet: a new attempt may still generate.
-_BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_progress"})
 WORKER_LOST = (
     "The worker running this response stopped after it had started streaming output; running it "
     "again would repeat that output, so it was ended here. Retry the request."
 )
-
-
-class CancelRequested(Exception):
-    """A cancel was requested for the response this attempt is running."""
-
-
-class FencedOut(Exception):
-    """Another attempt holds the response now: this one must write nothing more."""
 
 
 class UpstreamFailed(Exception):
@@ -73,167 +52,6 @@ class UpstreamFailed(Exception):
 
 # What the upstream can do wrong: each ends the response `failed` with its message.
 _UPSTREAM_FAULTS = (UpstreamError, native.NativeFailure, RespoolError)
-
-
-class RunEnd(StrEnum):
-    """How `run_response` ended, which decides what the worker tells RQ."""
-
-    FINISHED = "finished"  # the response has its terminal state (now, or from before)
-    FENCED = "fenced"  # another attempt holds it now: tell RQ nothing
-    BUSY = "busy"  # another live holder kept it past the wait
-    STOPPED = "stopped"  # this worker stopped it to shut down: requeue it
-
-
-@dataclass
-class Runtime:
-    """A worker process's connections and state, shared by every response it runs."""
-
-    engine: AsyncEngine
-    redis: Redis
-    http: httpx2.AsyncClient
-    routes: Routes
-    holder: str
-    stream_ttl_seconds: int
-    synthetic_delay_seconds: float
-    leases: Leases
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    database_wait_seconds: float = 120.0
-    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
-    log: EventLog = field(init=False)
-    autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
-    running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-    held: dict[str, Lease] = field(default_factory=dict)
-    generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
-    cancelling: set[str] = field(default_factory=set)
-    interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
-
-    def __post_init__(self) -> None:
-        self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
-        self.autocommit = store.single_statements(self.engine)
-        self.metrics.in_flight.set_function(lambda: len(self.running))
-
-    def request_cancel(self, response_id: str) -> None:
-        """Interrupt the response's upstream call (the cancel watcher saw its flag).
-
-        Outside the upstream call the flag is seen at the next append, or the final commit loses
-        to the cancel recorded in Postgres, so only a generating task is interrupted.
-        """
-        task = self.running.get(response_id)
-        if task is not None and response_id in self.generating and response_id not in self.cancelling:
-            self.cancelling.add(response_id)
-            task.cancel()
-
-    def interrupt(self, response_id: str, end: RunEnd) -> None:
-        """Stop the response's attempt at once: its lease was lost (FENCED), or the worker stops (STOPPED)."""
-        task = self.running.get(response_id)
-        if task is not None and response_id not in self.interrupted:
-            self.interrupted[response_id] = end
-            task.cancel()
-
-
-class ResponseWriter:
-    """Numbers one attempt's events and appends them under its lease.
-
-    An append that meets an unreachable Redis is retried for up to `patience` seconds (the lease's
-    time to live: past it the lease is gone and the append would be fenced anyway).
-
-    `send` does not wait: events sent while an append is in flight go together in the next one,
-    their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
-    per batch, not per chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
-    """
-
-    def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
-        self._log = log_
-        self.lease = lease
-        self.next_sequence = next_sequence
-        self.patience = patience
-        self.started_at = time.monotonic()
-        self.first_output_at: float | None = None
-        self._pending: list[dict[str, Any]] = []
-        self._flushing: asyncio.Task[None] | None = None
-
-    def send(self, events: list[dict[str, Any]]) -> None:
-        """Append `events` after those sent before, without waiting (see `drain`)."""
-        if self._flushing is not None and self._flushing.done():
-            flushed, self._flushing = self._flushing, None
-            flushed.result()  # raise what the last append met
-        self._pending += events
-        if self._flushing is None and self._pending:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-
-    async def drain(self) -> None:
-        """Wait until everything sent has landed; raise what an append met."""
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            await flushing
-
-    async def settle(self) -> None:
-        """Wait until what was sent is appended or an append fails, whatever it meets: then
-        `next_sequence` is where the stream ends."""
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            with contextlib.suppress(Exception):
-                await flushing
-
-    async def abandon(self) -> None:
-        """Stop appending what was sent (the attempt is over). An append already sent may still land:
-        whoever writes next reads where the stream ends (`_ensure_terminal`)."""
-        self._pending.clear()
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            flushing.cancel()
-            with contextlib.suppress(BaseException):
-                await flushing
-
-    async def _flush(self) -> None:
-        while self._pending:
-            events, self._pending = coalesce.merge_deltas(self._pending), []
-            await self.emit(events)
-
-    async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
-        """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
-        encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
-        result = await self._append(encoded)
-        # Only once they landed: a writer that goes on after a failed append must leave no gap.
-        self.next_sequence += len(encoded)
-        if self.first_output_at is None and any(_is_output(event) for event in encoded):
-            self.first_output_at = time.monotonic()
-        if result is AppendResult.FENCED:
-            raise FencedOut(self.lease.response_id)
-        if result is AppendResult.CANCEL_REQUESTED and not final:
-            raise CancelRequested(self.lease.response_id)
-
-    async def _append(self, encoded: list[Event]) -> AppendResult:
-        deadline, delay = time.monotonic() + self.patience, 0.1
-        while True:
-            try:
-                return await self._log.append(self.lease, encoded)
-            except RedisResponseError as exc:
-                # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
-                # first, so only we can have written these numbers: a try whose reply was lost (ours,
-                # or the client's own resend after a dropped connection) got through.
-                if "equal or smaller" in str(exc):
-                    return AppendResult.OK
-                raise
-            except (RedisConnectionError, RedisTimeoutError):
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("response %s: Redis unreachable; retrying an append", self.lease.response_id)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-
-def _is_output(event: Event) -> bool:
-    """Whether the event tells something the model said (no lifecycle event, no ending)."""
-    return event.type not in _BEFORE_OUTPUT and not event.is_terminal
-
-
-def terminal_event(response: dict[str, Any]) -> dict[str, Any]:
-    """The one terminal event for a finished Response (a cancel ends as `response.failed`, PROTOCOL.md §4.1)."""
-    kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-        response["status"], "response.failed"
-    )
-    return {"type": kind, "response": response}
 
 
 async def run_response(rt: Runtime, response_id: str) -> RunEnd:
@@ -318,7 +136,7 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     response = stored.response
     if lease.attempt > 1 and last is not None and last.type != "response.queued":
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
-    if last is not None and last.type not in _BEFORE_OUTPUT:
+    if last is not None and last.type not in BEFORE_OUTPUT:
         # DESIGN.md §4: an earlier attempt's output reached clients; generating again would repeat it.
         await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
         return
@@ -563,31 +381,6 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
         return bool(won)
     finally:
         await rt.leases.release(lease)
-
-
-async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:
-    """Connections for a process that runs up to `concurrency` responses at once."""
-    redis = connect(settings.redis_url, max_connections=max(16, concurrency // 4))
-    return Runtime(
-        engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
-        redis=redis,
-        http=create_client(
-            settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds
-        ),
-        retry=RetryPolicy.from_settings(settings),
-        database_wait_seconds=settings.database_wait_seconds,
-        routes=load_routes(settings),
-        holder=holder,
-        stream_ttl_seconds=settings.stream_ttl_seconds,
-        synthetic_delay_seconds=settings.synthetic_delay_seconds,
-        leases=Leases(redis, settings.lease_seconds),
-    )
-
-
-async def close_runtime(rt: Runtime) -> None:
-    await rt.http.aclose()
-    await rt.engine.dispose()
-    await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own
 
 
 def run_job(response_id: str) -> None:

@@ -303,13 +303,18 @@ async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int)
 
 
 async def live_response_ids(
-    conn: AsyncConnection, older_than_seconds: float, limit: int, after: LivePosition | None = None
+    conn: AsyncConnection,
+    status: Status,
+    older_than_seconds: float,
+    limit: int,
+    after: LivePosition | None = None,
 ) -> list[LivePosition]:
-    """Queued or in-progress rows created more than `older_than_seconds` ago (the sweep's view), as
-    (created_at, id), oldest first, after `after`: the sweep pages through all of them."""
+    """Rows in live `status` created more than `older_than_seconds` ago (the sweep's view), as
+    (created_at, id), oldest first, after `after`: the sweep pages through them."""
+    assert status in LIVE
     cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
     query = select(ResponseRow.created_at, ResponseRow.id).where(
-        ResponseRow.status.in_(LIVE), ResponseRow.created_at < cutoff
+        ResponseRow.status == status, ResponseRow.created_at < cutoff
     )
     if after is not None:
         query = query.where(tuple_(ResponseRow.created_at, ResponseRow.id) > tuple_(*after))

@@ -10,7 +10,7 @@ from redis.exceptions import ResponseError
 
 from worker.events import AppendResult, Event
 from worker.lease import Lease
-from worker.runner import ResponseWriter
+from worker.writer import ResponseWriter
 
 LEASE = Lease("resp_1", 1, "worker-a")
 
