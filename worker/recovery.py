@@ -75,26 +75,31 @@ async def end_orphans(
     row is still looked at, at a bounded cost per sweep.
     """
     grace = max(10.0, 2.0 * settings.registry_seconds)
-    ended, after = 0, None
-    while True:
+
+    async def page(status: Status, after: store.LivePosition | None) -> tuple[store.LivePosition | None, int]:
+        """End the unheld of one page after `after`: where the next page starts (None: this was
+        the last), and the number ended."""
         async with rt.engine.connect() as conn:
-            page = await store.live_response_ids(conn, Status.IN_PROGRESS, grace, batch, after)
-        ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
-        if len(page) < batch:
+            rows = await store.live_response_ids(conn, status, grace, batch, after)
+        ended = await _end_unheld(rt, [response_id for _, response_id in rows], job_statuses)
+        return (rows[-1] if len(rows) == batch else None), ended
+
+    total, after = 0, None
+    while True:
+        after, ended = await page(Status.IN_PROGRESS, after)
+        total += ended
+        if after is None:
             break
-        after = page[-1]
     cursor = f"{PREFIX}:sweep:{settings.queue}:queued"
     after = _position(await rt.redis.get(cursor))
     for _ in range(pages):
-        async with rt.engine.connect() as conn:
-            page = await store.live_response_ids(conn, Status.QUEUED, grace, batch, after)
-        ended += await _end_unheld(rt, [response_id for _, response_id in page], job_statuses)
-        if len(page) < batch:
+        after, ended = await page(Status.QUEUED, after)
+        total += ended
+        if after is None:
             await rt.redis.delete(cursor)  # the newest reached: the next sweep starts over
             break
-        after = page[-1]
         await rt.redis.set(cursor, orjson.dumps([after[0].isoformat(), after[1]]), ex=CURSOR_TTL)
-    return ended
+    return total
 
 
 def _position(raw: bytes | str | None) -> store.LivePosition | None:
