@@ -1,6 +1,7 @@
 """Validation of respool's wire output against the Open Responses OpenAPI document.
 
-The document (shared/openresponses-openapi.json, or the file `RESPOOL_OPENRESPONSES_SCHEMA`
+The document (tests/support/openresponses/openapi.json, a verbatim copy of
+shared/openresponses-openapi.json kept in the repository, or the file `RESPOOL_OPENRESPONSES_SCHEMA`
 names) is loaded whole as the root, so its `#/components/schemas/...` refs resolve. Where it
 differs from the `openai` SDK, which PROTOCOL.md follows, the difference is bridged here for
 validation only (see the README next to the document):
@@ -25,7 +26,7 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 _ROOT = "urn:openresponses"
-_DEFAULT_PATH = Path(__file__).resolve().parents[3] / "shared" / "openresponses-openapi.json"
+_DEFAULT_PATH = Path(__file__).resolve().parent / "openresponses" / "openapi.json"
 _STREAM_SCHEMA = ("paths", "/responses", "post", "responses", "200", "content", "text/event-stream", "schema")
 _SDK_TO_SCHEMA_TYPES = {
     "response.reasoning_text.delta": "response.reasoning.delta",
