@@ -22,7 +22,7 @@ from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
-from worker.keys import attempt_key, cancel_key, events_key, lease_key
+from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 from worker.lease import Lease
 from worker.response import TERMINAL_EVENTS
 
@@ -36,6 +36,37 @@ end
 return redis.call('EXISTS', KEYS[3])
 """
 
+# KEYS: events, observed. ARGV: the first entry id to read, how many. A relay's first read: marks the
+# response observed (DESIGN.md §4, "Orphans") in the same step, so no attempt can start its output
+# over between the read and the mark. A stream that is gone (expired, deleted) leaves no mark.
+_OBSERVED_READ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('SET', KEYS[2], '1')
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+end
+return redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+"""
+
+# KEYS: lease, events, observed. ARGV: lease value. A new attempt's start over of an unobserved
+# response: the stream keeps only its leading lifecycle events (created, queued, in_progress) and
+# loses the dead attempt's output. Returns -1 when fenced out, -2 when a relay has read the stream
+# (nothing changes), else {how many events were kept, the type of the last one kept}.
+_START_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
+local head = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 3)
+local kept = {}
+for _, entry in ipairs(head) do
+  local kind = entry[2][2]
+  if kind ~= 'response.created' and kind ~= 'response.queued' and kind ~= 'response.in_progress' then break end
+  kept[#kept + 1] = entry
+end
+redis.call('DEL', KEYS[2])
+for _, entry in ipairs(kept) do redis.call('XADD', KEYS[2], entry[1], unpack(entry[2])) end
+local last = kept[#kept]
+return {#kept, last and last[2][2] or ''}
+"""
 
 # A stream entry as redis-py returns it: (entry id, fields).
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -139,6 +170,47 @@ async def read_events(
     return [decode_entry(entry_id_, fields) for entry_id_, fields in entries]
 
 
+async def read_events_observed(
+    redis: Redis, response_id: str, after: int = -1, count: int = 1000
+) -> list[Event]:
+    """`read_events`, marking the response observed in the same step (a relay's first read)."""
+    start = f"({entry_id(after)}" if after >= 0 else "-"
+    keys = [events_key(response_id), observed_key(response_id)]
+    entries = await redis.eval(_OBSERVED_READ, 2, *keys, start, count)
+    return [decode_entry(entry[0], _fields(entry[1])) for entry in entries]
+
+
+def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as Lua returns them, `[name, value, ...]`, as redis-py's dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+@dataclass(frozen=True)
+class StartedOver:
+    """What a start over kept: the first `kept` events, the last of them of type `last_type`."""
+
+    kept: int
+    last_type: str | None
+
+
+async def start_over(redis: Redis, lease: Lease) -> StartedOver | None:
+    """Drop the output of the response's earlier attempts from its stream, unless a relay has read it
+    (None then). Raises `FencedOut` unless `lease` still holds."""
+    rid = lease.response_id
+    keys = [lease_key(rid), events_key(rid), observed_key(rid)]
+    result = await redis.eval(_START_OVER, 3, *keys, lease.value)
+    if result == -1:
+        raise FencedOut(rid)
+    if result == -2:
+        return None
+    kept, last_type = result
+    return StartedOver(int(kept), last_type.decode() if last_type else None)
+
+
+class FencedOut(Exception):
+    """Another attempt holds the response now: this one must write nothing more."""
+
+
 async def last_event(redis: Redis, response_id: str) -> Event | None:
     """The newest event of a response's stream, if any."""
     entries = cast(list[Entry], await redis.xrevrange(events_key(response_id), max="+", min="-", count=1))
@@ -147,8 +219,14 @@ async def last_event(redis: Redis, response_id: str) -> Event | None:
 
 async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
     """Start the retention clock of a finished response's keys (DESIGN.md §2.7)."""
+    keys = (
+        events_key(response_id),
+        attempt_key(response_id),
+        cancel_key(response_id),
+        observed_key(response_id),
+    )
     async with redis.pipeline(transaction=False) as pipe:
-        for key in (events_key(response_id), attempt_key(response_id), cancel_key(response_id)):
+        for key in keys:
             pipe.expire(key, seconds)
         await pipe.execute()
 

@@ -29,6 +29,12 @@ def cancel_key(response_id: str) -> str:
     return f"{PREFIX}:{{{response_id}}}:cancel"
 
 
+def observed_key(response_id: str) -> str:
+    """Present once any relay has read the response's events (set with that first read, atomically):
+    a new attempt may then no longer start its output over (DESIGN.md §4, "Orphans")."""
+    return f"{PREFIX}:{{{response_id}}}:observed"
+
+
 def response_keys(response_id: str) -> list[str]:
     """All of a response's own keys (for delete)."""
     return [
@@ -36,6 +42,7 @@ def response_keys(response_id: str) -> list[str]:
         lease_key(response_id),
         attempt_key(response_id),
         cancel_key(response_id),
+        observed_key(response_id),
     ]
 
 

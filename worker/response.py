@@ -105,6 +105,11 @@ def finished(
     return done
 
 
+# A failed Response's `error.type` per `error.code`, where it is not `server_error`: as OpenAI types
+# its HTTP errors of that code.
+_ERROR_TYPES = {"model_not_found": "invalid_request_error", "rate_limit_exceeded": "requests"}
+
+
 def failed(
     response: dict[str, Any],
     message: str,
@@ -112,9 +117,10 @@ def failed(
     code: str = "server_error",
     output: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A copy of `response` as `failed`, with a `ResponseError` (PROTOCOL.md §1.3).
+    """A copy of `response` as `failed`, with a `ResponseError` (PROTOCOL.md §1.3): `code`,
+    `message`, and its `type` (the Vercel AI SDK reads a failure without one as unparseable).
 
     `output` is what the response had streamed before it failed, its open items ended `incomplete`.
     """
-    error = {"code": code, "message": message}
+    error = {"code": code, "message": message, "type": _ERROR_TYPES.get(code, "server_error")}
     return finished(response, Status.FAILED, completed_at, error=error, output=output or [])

@@ -19,9 +19,11 @@ from worker import logs, store
 from worker.errors import RespoolError
 from worker.events import (
     Event,
+    FencedOut,
     expire_response,
     last_event,
     read_events,
+    start_over,
 )
 from worker.lease import Lease
 from worker.metrics import WorkerMetrics
@@ -31,8 +33,8 @@ from worker.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 from worker.synthetic import synthetic_chunks
 from worker.translation import chat_request, chat_stream, native, output
-from worker.upstream import UpstreamError, redact, stream_json
-from worker.writer import BEFORE_OUTPUT, CancelRequested, FencedOut, ResponseWriter, terminal_event
+from worker.upstream import CHAT_STREAM, RESPONSES_STREAM, UpstreamError, redact, stream_json
+from worker.writer import BEFORE_OUTPUT, CancelRequested, ResponseWriter, terminal_event
 
 log = logging.getLogger("respool.runner")
 
@@ -136,12 +138,19 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     response = stored.response
     if lease.attempt > 1 and last is not None and last.type != "response.queued":
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
-    if last is not None and last.type not in BEFORE_OUTPUT:
-        # DESIGN.md §4: an earlier attempt's output reached clients; generating again would repeat it.
-        await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
-        return
-    announced = last is not None and last.type == "response.in_progress"
-    final = await _produce(rt, writer, stored, response, announced=announced)
+    last_type = None if last is None else last.type
+    if last_type is not None and last_type not in BEFORE_OUTPUT:
+        # DESIGN.md §4: an earlier attempt's output is in the stream. Unless a relay has read it,
+        # nobody saw it: this attempt starts the stream's output over and generates it again.
+        started = await start_over(rt.redis, lease)
+        if started is None:  # a client saw that output; generating again would repeat it
+            await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
+            return
+        log.info(
+            "response %s: attempt %d starts over (no client saw the output so far)", stored.id, lease.attempt
+        )
+        writer.next_sequence, last_type = started.kept, started.last_type
+    final = await _produce(rt, writer, stored, response, announced=last_type == "response.in_progress")
     if final is None:
         await _end_as_stored(rt, writer)
         return
@@ -187,7 +196,8 @@ async def _produce(
         log.info("response %s failed: %s", stored.id, reason)
         rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
         streamed = exc.output if isinstance(exc, UpstreamFailed) else []
-        return failed(response, f"The upstream model failed: {reason}", int(time.time()), output=streamed)
+        message = f"The upstream model failed: {reason}"
+        return failed(response, message, int(time.time()), code=_error_code(exc), output=streamed)
     finally:
         rt.generating.discard(stored.id)
         await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
@@ -207,11 +217,11 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
     if route.api is UpstreamApi.RESPONSES:
         native_state = native.NativeStream()
         body = native.to_responses_request(stored.request, stored.conversation, model)
-        events = stream_json(rt.http, route, "/responses", body, rt.retry)
+        events = stream_json(rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
         translate = partial(native.translate_event, native_state)
         finish = partial(native.finish_stream, native_state)
         return await _translate(writer, events, translate, finish, native_state.output)
-    chat_state = chat_stream.start_stream(include_logprobs=chat_request.includes_logprobs(stored.request))
+    chat_state = chat_stream.start_stream(**chat_request.stream_options(stored.request))
     body = chat_request.to_chat_request(stored.request, stored.conversation, model)
     chunks = _chat_chunks(rt, route, body)
     translate = partial(chat_stream.translate_chunk, chat_state)
@@ -222,7 +232,7 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
 def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
     if route.api is UpstreamApi.SYNTHETIC:
         return synthetic_chunks(body, rt.synthetic_delay_seconds)
-    return stream_json(rt.http, route, "/chat/completions", body, rt.retry)
+    return stream_json(rt.http, route, "/chat/completions", body, rt.retry, CHAT_STREAM)
 
 
 Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
@@ -287,6 +297,13 @@ def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> Non
     metrics.completion.observe(time.monotonic() - writer.started_at)
     if writer.first_output_at is not None:
         metrics.first_event.observe(writer.first_output_at - writer.started_at)
+
+
+def _error_code(exc: Exception) -> str:
+    """The failed Response's `error.code`: what an upstream's refusal says (its model not found, our
+    key refused), else `server_error`."""
+    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) else exc
+    return cause.code if isinstance(cause, UpstreamError) else "server_error"
 
 
 def _fault_kind(exc: Exception) -> str:

@@ -25,7 +25,16 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from worker.events import Entry, Event, decode_entry, entry_id, hiredis_packing, last_event, read_events
+from worker.events import (
+    Entry,
+    Event,
+    decode_entry,
+    entry_id,
+    hiredis_packing,
+    last_event,
+    read_events,
+    read_events_observed,
+)
 from worker.keys import events_key, wake_key
 from worker.settings import Settings
 
@@ -87,10 +96,13 @@ class Tailer:
         response known to be finished, the stored events, and only if its stream lacks the terminal
         event (Postgres commits first, DESIGN.md §2.3), what comes live within `finishing_seconds`:
         an `after` past the end is an empty stream, and a stream that expired never hangs.
+
+        The first read marks the response observed, in the same step: from then on no new attempt
+        starts its output over (DESIGN.md §4, "Orphans"), which would take back what was relayed.
         """
         position = after
+        page = await read_events_observed(self._redis, response_id, position, count=REPLAY_PAGE)
         while True:  # the replay, page by page
-            page = await read_events(self._redis, response_id, position, count=REPLAY_PAGE)
             for event in page:
                 yield event
                 if event.is_terminal:
@@ -98,6 +110,7 @@ class Tailer:
             if len(page) < REPLAY_PAGE:
                 break
             position = page[-1].sequence_number
+            page = await read_events(self._redis, response_id, position, count=REPLAY_PAGE)
         until = None
         if is_finished:
             last = await last_event(self._redis, response_id)

@@ -11,12 +11,21 @@ The tree:
     └── TransientUpstreamError  worth another attempt, if no payload was yielded yet
 
 Rules:
+- every request is JSON with `content-type: application/json` (FastAPI-based servers, such as
+  llama-cpp-python's, read no body as JSON without it) and asks for `text/event-stream`
 - a connection error, a timeout (a stall included), HTTP 408, 429 or 5xx => `TransientUpstreamError`
-- any other HTTP 4xx, a line that is not a JSON object, an in-band `error` payload => `UpstreamError`
-- transient before the first payload => retried under the `RetryPolicy`: the upstream's
-  `retry-after-ms` / `retry-after` if it sent one, else exponential backoff with equal jitter; both
-  bounded by the cap. A stall before any output is retried too: nothing reached a client yet.
-- anything after the first payload => raised at once: that output already reached clients
+- a stream that ends (at EOF, or at `data: [DONE]`) without the payload that properly ends its kind
+  of stream (`StreamKind`: a chat `finish_reason`, a Responses terminal event) => `TransientUpstreamError`:
+  llama-cpp-python answers 200 with an empty stream when it fails inside
+- any other HTTP 4xx, a line that is not a JSON object, an in-band `error` payload => `UpstreamError`;
+  its `code` says what a client can tell from it: `model_not_found` (404), `upstream_unauthorized`
+  (401), `upstream_forbidden` (403), else `server_error`
+- transient before the first payload that carries output (a chat chunk with text, a tool call or a
+  `finish_reason`; a Responses event past the lifecycle ones) => retried under the `RetryPolicy`: the
+  upstream's `retry-after-ms` / `retry-after` if it sent one, else exponential backoff with equal
+  jitter; both bounded by the cap. Payloads before it (a chat role chunk) are held back meanwhile:
+  nothing reached a client yet. A stall before any output is retried too.
+- anything after that payload => raised at once: that output already reached clients
 - retries run out => the last cause, saying how many attempts were made
 - the upstream key, quoted back in an error (by the upstream, or a proxy before it) => `[redacted]`
   in the message, so it reaches no row, event, log or client
@@ -29,7 +38,7 @@ import math
 import random
 import re
 from asyncio import sleep
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -54,6 +63,10 @@ REDACTED = "[redacted]"
 _TRANSIENT_FAULTS = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)
 
 
+# What a refusal by the upstream tells a client (a failed Response's `error.code`), by HTTP status.
+_CODES = {401: "upstream_unauthorized", 403: "upstream_forbidden", 404: "model_not_found"}
+
+
 class UpstreamError(Exception):
     """The upstream refused or broke the request; `status` is its HTTP status, if it answered."""
 
@@ -61,6 +74,11 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+    @property
+    def code(self) -> str:
+        """The failed Response's `error.code`: what the upstream's refusal says, else `server_error`."""
+        return _CODES.get(self.status or 0, "server_error")
 
     def redact(self, secret: str) -> UpstreamError:
         """Cut `secret` out of the message, in place; returns self."""
@@ -121,6 +139,51 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 
 
+@dataclass(frozen=True)
+class StreamKind:
+    """What the payloads of one kind of upstream stream say: which ones carry output (after one of
+    them, a fault can no longer be retried), and which one ends the stream properly."""
+
+    carries_output: Callable[[Payload], bool]
+    ends: Callable[[Payload], bool]
+    end_name: str  # the ending payload, as a message names it when it never came
+
+
+def _chat_carries_output(chunk: Payload) -> bool:
+    return any(_chat_choice_says(choice) for choice in chunk.get("choices") or [])
+
+
+def _chat_choice_says(choice: Payload) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(
+        choice.get("finish_reason")
+        or delta.get("content")
+        or delta.get("refusal")
+        or delta.get("reasoning_content")
+        or delta.get("reasoning")
+        or delta.get("tool_calls")
+    )
+
+
+def _chat_ends(chunk: Payload) -> bool:
+    return any(choice.get("finish_reason") for choice in chunk.get("choices") or [])
+
+
+_RESPONSES_LIFECYCLE = frozenset({"response.created", "response.queued", "response.in_progress", "keepalive"})
+_RESPONSES_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+
+# Chat Completions: a choice's `finish_reason` ends the stream; usage may follow it.
+CHAT_STREAM = StreamKind(_chat_carries_output, _chat_ends, "a finish_reason")
+# Responses: a terminal event ends it.
+RESPONSES_STREAM = StreamKind(
+    lambda event: event.get("type") not in _RESPONSES_LIFECYCLE,
+    lambda event: event.get("type") in _RESPONSES_ENDS,
+    "a terminal event (response.completed, .incomplete or .failed)",
+)
+# Any JSON stream: every payload is output, and any payload at all ends it properly.
+ANY_STREAM = StreamKind(lambda _payload: True, lambda _payload: True, "any payload")
+
+
 def create_client(
     stall_seconds: float,
     max_connections: int,
@@ -144,17 +207,19 @@ async def stream_json(
     path: str,
     body: dict[str, Any],
     policy: RetryPolicy = DEFAULT_RETRY,
+    kind: StreamKind = ANY_STREAM,
 ) -> AsyncGenerator[Payload]:
     """POST `body` to `route.base_url + path` and yield each SSE `data:` payload as JSON.
 
-    Transient faults before the first payload are retried under `policy`; after it, every fault is
-    final. Raises `UpstreamError` only (cancellation aside, which always propagates at once).
+    Transient faults before the first payload that carries output are retried under `policy`;
+    after it, every fault is final. A stream that ends without its `kind`'s ending is a transient
+    fault. Raises `UpstreamError` only (cancellation aside, which always propagates at once).
     """
-    payloads, first = await _first_payload(client, _build_request(client, route, path, body), policy)
-    if first is None:
-        return
+    request = _build_request(client, route, path, body)
+    payloads, held = await _until_output(client, request, policy, kind)
     async with aclosing(payloads):
-        yield first
+        for payload in held:
+            yield payload
         async for payload in payloads:
             yield payload
 
@@ -162,7 +227,7 @@ async def stream_json(
 def _build_request(
     client: httpx2.AsyncClient, route: Route, path: str, body: dict[str, Any]
 ) -> httpx2.Request:
-    headers = {"accept": "text/event-stream"}
+    headers = {"accept": "text/event-stream", "content-type": "application/json"}
     key = route.api_key()
     if key:
         headers["authorization"] = f"Bearer {key}"
@@ -170,15 +235,16 @@ def _build_request(
     return client.build_request("POST", route.base_url + path, content=orjson.dumps(body), headers=headers)
 
 
-async def _first_payload(
-    client: httpx2.AsyncClient, request: httpx2.Request, policy: RetryPolicy
-) -> tuple[AsyncGenerator[Payload], Payload | None]:
-    """An attempt's payload stream and its first payload (None: it ended empty), retried under `policy`."""
+async def _until_output(
+    client: httpx2.AsyncClient, request: httpx2.Request, policy: RetryPolicy, kind: StreamKind
+) -> tuple[AsyncGenerator[Payload], list[Payload]]:
+    """An attempt's payload stream and the payloads it sent up to the first that carries output
+    (all of them, if it ended without one), retried under `policy`."""
     attempt = 1
     while True:
-        payloads = _attempt(client, request)
+        payloads = _attempt(client, request, kind)
         try:
-            return payloads, await anext(payloads, None)
+            return payloads, await _read_until_output(payloads, kind)
         except TransientUpstreamError as exc:
             if policy.retries == 0:
                 raise  # no retries: the cause as it came
@@ -190,17 +256,35 @@ async def _first_payload(
             attempt += 1
 
 
-async def _attempt(client: httpx2.AsyncClient, request: httpx2.Request) -> AsyncGenerator[Payload]:
+async def _read_until_output(payloads: AsyncGenerator[Payload], kind: StreamKind) -> list[Payload]:
+    held: list[Payload] = []
+    async for payload in payloads:
+        held.append(payload)
+        if kind.carries_output(payload):
+            break
+    return held
+
+
+async def _attempt(
+    client: httpx2.AsyncClient, request: httpx2.Request, kind: StreamKind
+) -> AsyncGenerator[Payload]:
     """One POST: yield its payloads, with every fault mapped to `UpstreamError`."""
     try:
         reply = await client.send(request, stream=True)
         try:
             if reply.status_code >= 400:
                 raise await _status_error(reply)
+            is_ended = is_done = False
             async for line in reply.aiter_lines():
+                if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                    is_done = True
+                    break
                 payload = _data(line)
                 if payload is not None:
+                    is_ended = is_ended or kind.ends(payload)
                     yield payload
+            if not is_ended:
+                raise _unfinished(kind, is_done)
         finally:
             await reply.aclose()
     except httpx2.HTTPError as exc:
@@ -208,6 +292,11 @@ async def _attempt(client: httpx2.AsyncClient, request: httpx2.Request) -> Async
     except UpstreamError as exc:
         exc.redact(_sent_key(request))
         raise
+
+
+def _unfinished(kind: StreamKind, is_done: bool) -> TransientUpstreamError:
+    how = "sent [DONE]" if is_done else "ended its stream"
+    return TransientUpstreamError(f"the upstream {how} without {kind.end_name}")
 
 
 def _sent_key(request: httpx2.Request) -> str:
@@ -293,7 +382,7 @@ def _data(line: str) -> Payload | None:
     if not line.startswith("data:"):
         return None
     text = line[5:].strip()
-    if not text or text == "[DONE]":
+    if not text:
         return None
     if "\\u0000" in text:
         text = _NUL_ESCAPE.sub("\\1\\\\ufffd", text)

@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker.events import AppendResult, Event, EventLog, encode
+from worker.events import AppendResult, Event, EventLog, FencedOut, encode
 from worker.lease import Lease
 from worker.translation import coalesce
 
@@ -26,10 +26,6 @@ BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_p
 
 class CancelRequested(Exception):
     """A cancel was requested for the response this attempt is running."""
-
-
-class FencedOut(Exception):
-    """Another attempt holds the response now: this one must write nothing more."""
 
 
 class ResponseWriter:

@@ -75,6 +75,7 @@ class Case:
     status: str
     requests: int
     says: tuple[str, ...] = ()
+    code: str = "server_error"
 
 
 CASES = {
@@ -94,6 +95,40 @@ CASES = {
         "failed",
         1,
         ("400", "context too long"),
+    ),
+    "404 model not found": Case(
+        {"status": 404, "error": {"message": "The model `x` does not exist.", "code": "model_not_found"}},
+        "failed",
+        1,
+        ("404", "does not exist"),
+        "model_not_found",
+    ),
+    "401 for our key": Case(
+        {"status": 401, "error": {"message": "Incorrect API key provided."}},
+        "failed",
+        1,
+        ("401", "Incorrect API key"),
+        "upstream_unauthorized",
+    ),
+    "403 for our key": Case(
+        {"status": 403, "error": {"message": "Forbidden."}}, "failed", 1, ("403",), "upstream_forbidden"
+    ),
+    # llama-cpp-python answers 200 with an empty stream when it fails inside: nothing reached a
+    # client, so it is retried like a lost connection.
+    "an empty stream once, then answers": Case(
+        recovers_after({"chunks": [], "done": False}, 1), "completed", 2
+    ),
+    "an empty stream always": Case(
+        {"chunks": [], "done": False},
+        "failed",
+        RETRIES + 1,
+        ("ended its stream without a finish_reason", f"gave up after {RETRIES + 1} attempts"),
+    ),
+    "[DONE] with no finish_reason after output": Case(
+        {"chunks": [{"delta": {"role": "assistant", "content": "half an"}}]},
+        "failed",
+        1,
+        ("sent [DONE] without a finish_reason",),
     ),
     # A stall before any output is retried like a lost connection: nothing reached a client yet.
     "stalls after its headers": Case(
@@ -149,6 +184,10 @@ def test_an_upstream_fault_ends_in_one_well_formed_stream(
     else:
         assert final.error is not None
         assert final.error.message.startswith("The upstream model failed: ")
+        assert final.error.code == case.code
+        assert final.error.type == (
+            "invalid_request_error" if case.code == "model_not_found" else "server_error"
+        )
         for words in case.says:
             assert words in final.error.message
         if case.requests == 1:

@@ -18,6 +18,7 @@ A script is a JSON object; every key is optional:
     usage                      usage to report instead of word counts; null reports none
     chunks: [...]              chat only: raw chunks sent as given, or {"delta", "finish_reason"}
                                and {"usage"} shorthands; then `data: [DONE]`
+    done=true                  chat only: false ends the stream without `data: [DONE]`
     events: [...]              responses only: raw Responses events sent as given
     status, error, headers     answer this HTTP error with an OpenAI-shaped error body, e.g.
                                {"status": 429, "headers": {"retry-after": "1"}}
@@ -27,6 +28,11 @@ A script is a JSON object; every key is optional:
     drop_after: K              cut the connection after K SSE frames, without a final chunk
 
 Unscripted models echo: "Hello from the scripted upstream. You said: <last user text>".
+
+As strict as the servers it stands for (FastAPI-based ones such as vLLM's, SGLang's and
+llama-cpp-python's): a body not sent as `content-type: application/json` is refused with 415, and
+a body that is not a JSON object, or lacks what the API requires (`model`, and `messages` for Chat
+Completions or `input` for Responses, in their types), with 422 and FastAPI's `detail` list.
 Run: `python -m tests.support.scripted_upstream --port 0` prints `LISTENING http://127.0.0.1:<port>`.
 From a test: `ScriptedUpstream.start()` in `tests.support.upstream_process`.
 """
@@ -36,12 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -249,17 +256,63 @@ def upstream_state(request: Request) -> UpstreamState:
     return cast(UpstreamState, request.app.state.upstream)
 
 
-async def read_script_and_body(request: Request) -> tuple[Json, Json]:
-    """Record the request and pick the script its model follows."""
-    body = await request.json()
-    body = body if isinstance(body, dict) else {"_body": body}
+class RefusedBodyError(Exception):
+    """A request body a strict server would not read: `answer` is what it says instead."""
+
+    def __init__(self, answer: Response) -> None:
+        self.answer = answer
+
+
+async def read_script_and_body(
+    request: Request, required: dict[str, type | tuple[type, ...]]
+) -> tuple[Json, Json]:
+    """Record the request and pick the script its model follows; `RefusedBodyError` if the body is not
+    JSON as the real servers require it (the content type, and the `required` keys in their types)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        error = {"message": f"Unsupported content type {media_type or '(none)'!r}: send application/json."}
+        raise RefusedBodyError(JSONResponse({"error": {**error, "type": "invalid_request_error"}}, 415))
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        body = None
+    problems = body_problems(body, required)
+    if problems:
+        raise RefusedBodyError(JSONResponse({"detail": problems}, 422))
+    assert isinstance(body, dict)
     state = upstream_state(request)
     state.record(request, body)
     return state.next_script(str(body.get("model", DEFAULT_MODEL))), body
 
 
+def body_problems(body: object, required: dict[str, type | tuple[type, ...]]) -> list[Json]:
+    """FastAPI-style validation errors of a body that must be an object with `required` keys."""
+    if not isinstance(body, dict):
+        return [{"type": "model_attributes_type", "loc": ["body"], "msg": "Input should be a valid object"}]
+    problems = []
+    for key, kinds in required.items():
+        if key not in body:
+            problems.append({"type": "missing", "loc": ["body", key], "msg": "Field required"})
+        elif not isinstance(body[key], kinds):
+            problems.append({"type": "type_error", "loc": ["body", key], "msg": "Input has the wrong type"})
+    return problems
+
+
+def refusing_bad_bodies(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except RefusedBodyError as refused:
+            return refused.answer
+
+    return handle
+
+
+@refusing_bad_bodies
 async def chat_completions(request: Request) -> Response:
-    script, body = await read_script_and_body(request)
+    script, body = await read_script_and_body(request, {"model": str, "messages": list})
     envelope = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
         "created": int(time.time()), "model": body.get("model", DEFAULT_MODEL),
@@ -268,11 +321,13 @@ async def chat_completions(request: Request) -> Response:
     streamed = chat_chunks(script, body, envelope, is_usage_wanted=is_usage_wanted)
     frames = [b"data: " + encode(chunk) + b"\n\n" for chunk in streamed]
     final = assemble_completion(chat_chunks(script, body, envelope, is_usage_wanted=True), envelope)
-    return await answer(request, script, body, [*frames, DONE_FRAME], final)
+    ending = [DONE_FRAME] if script.get("done", True) else []
+    return await answer(request, script, body, [*frames, *ending], final)
 
 
+@refusing_bad_bodies
 async def responses(request: Request) -> Response:
-    script, body = await read_script_and_body(request)
+    script, body = await read_script_and_body(request, {"model": str, "input": (str, list)})
     events = response_events(script, body)
     frames = [f"event: {event.get('type')}\ndata: ".encode() + encode(event) + b"\n\n" for event in events]
     return await answer(request, script, body, frames, events[-1].get("response", {}) if events else {})

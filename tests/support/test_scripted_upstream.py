@@ -239,3 +239,40 @@ async def test_hundreds_of_hung_streams_are_held_open_at_once(upstream: Scripted
         "total": CONCURRENT_STREAMS,
     }
     assert released["active"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_refused_415(
+    upstream: ScriptedUpstream, path: str, content_type: str | None
+) -> None:
+    """Like FastAPI-based servers, a body without `content-type: application/json` is not read: 415, nothing recorded."""
+    upstream.reset()
+    body = b'{"model": "m", "messages": [], "input": "hi", "stream": true}'
+    headers = {} if content_type is None else {"content-type": content_type}
+    answer = httpx.post(upstream.base_url + path, content=body, headers=headers)
+    assert answer.status_code == 415
+    assert "application/json" in answer.json()["error"]["message"]
+    assert upstream.requests() == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b"[1, 2]"),
+        ("/v1/chat/completions", b"not json"),
+        ("/v1/chat/completions", b'{"model": "m"}'),
+        ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}'),
+        ("/v1/responses", b'{"model": "m"}'),
+        ("/v1/responses", b'{"input": "hi"}'),
+    ],
+)
+def test_a_body_the_api_cannot_take_is_refused_422(
+    upstream: ScriptedUpstream, path: str, body: bytes
+) -> None:
+    """A JSON body that is not an object with the API's required fields is a 422 with FastAPI's `detail`."""
+    upstream.reset()
+    answer = httpx.post(upstream.base_url + path, content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 422
+    assert answer.json()["detail"]
+    assert upstream.requests() == []

@@ -9,8 +9,21 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 
 from tests.support.stack import Servers
-from worker.events import AppendResult, EventLog, connect, encode, hiredis_packing, read_events
-from worker.lease import Leases
+from worker.events import (
+    AppendResult,
+    EventLog,
+    FencedOut,
+    StartedOver,
+    connect,
+    encode,
+    expire_response,
+    hiredis_packing,
+    read_events,
+    read_events_observed,
+    start_over,
+)
+from worker.keys import lease_key, observed_key
+from worker.lease import Lease, Leases
 
 pytestmark = pytest.mark.integration
 
@@ -80,3 +93,74 @@ def test_hiredis_packing_keeps_the_connection_kind_and_packs_as_redis_py_does(ur
         ("EVALSHA", "f" * 40, 3, "a", "b", "c", 1.5, "é"),
     ):
         assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+
+
+async def _stream_of(redis: Redis, response_id: str, kinds: list[str], lease_holder: str = "a") -> Lease:
+    """A response's stream holding one event of each of `kinds`, appended under a lease it returns."""
+    lease = await Leases(redis, 5).acquire(response_id, lease_holder)
+    assert lease is not None
+    events = [encode({"type": kind}, number) for number, kind in enumerate(kinds)]
+    assert await EventLog(redis).append(lease, events) is AppendResult.OK
+    return lease
+
+
+LIFECYCLE = ["response.created", "response.queued", "response.in_progress"]
+OUTPUT = ["response.output_item.added", "response.output_text.delta", "response.output_text.delta"]
+
+
+async def test_a_start_over_keeps_the_lifecycle_events_and_drops_the_output(redis: Redis) -> None:
+    """Unobserved, a start over leaves created/queued/in_progress, and the next appends number on from them."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    started = await start_over(redis, lease)
+    assert started == StartedOver(3, "response.in_progress")
+    assert [event.type for event in await read_events(redis, response_id)] == LIFECYCLE
+    again = [encode({"type": "response.output_item.added"}, 3)]
+    assert await EventLog(redis).append(lease, again) is AppendResult.OK
+    assert [event.sequence_number for event in await read_events(redis, response_id)] == [0, 1, 2, 3]
+
+
+async def test_a_foreground_start_over_keeps_what_it_had(redis: Redis) -> None:
+    """A foreground stream (no `queued`) keeps created and in_progress; one that had only created keeps that."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, ["response.created", "response.in_progress", *OUTPUT])
+    assert await start_over(redis, lease) == StartedOver(2, "response.in_progress")
+
+
+async def test_a_relay_read_marks_the_response_observed_and_a_start_over_then_changes_nothing(
+    redis: Redis,
+) -> None:
+    """Once a relay has read the stream, a start over refuses and the stream stays as told."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    read = await read_events_observed(redis, response_id, 1, count=2)
+    assert [event.sequence_number for event in read] == [2, 3]
+    assert read[0].payload() == {"type": "response.in_progress", "sequence_number": 2}
+    assert await start_over(redis, lease) is None
+    assert len(await read_events(redis, response_id)) == 6
+
+
+async def test_a_start_over_under_a_lost_lease_is_fenced(redis: Redis) -> None:
+    """Only the holder of the response's lease may start its stream over."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    await redis.delete(lease_key(response_id))
+    with pytest.raises(FencedOut):
+        await start_over(redis, lease)
+    assert len(await read_events(redis, response_id)) == 6
+
+
+async def test_reading_an_expired_stream_leaves_no_mark(redis: Redis) -> None:
+    """A read of a stream that is gone sets nothing (no key without an expiry is left behind)."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    assert await read_events_observed(redis, response_id) == []
+    assert not await redis.exists(observed_key(response_id))
+
+
+async def test_the_mark_expires_with_a_finished_stream(redis: Redis) -> None:
+    """The observed mark takes the stream's expiry, set with it when the response ends or later."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    await _stream_of(redis, response_id, LIFECYCLE)
+    await expire_response(redis, response_id, 100)
+    await read_events_observed(redis, response_id)
+    assert 0 < await redis.ttl(observed_key(response_id)) <= 100

@@ -66,9 +66,19 @@ class Lab:
         wait_for(lambda: "ready: taking responses" in self.stack.log(name), timeout=60, what=f"{name} ready")
         return worker_name(self.redis, self.stack, name)
 
-    def create(self, model: str, count: int, sdk: openai.OpenAI | None = None) -> list[str]:
+    def create(
+        self, model: str, count: int, sdk: openai.OpenAI | None = None, *, seen: bool = False
+    ) -> list[str]:
+        """`count` background responses; `seen` ones are streamed to a client from their start (which
+        stops reading at once), the rest are only polled: nobody sees their output until they end."""
         client = sdk or self.sdk
-        return [client.responses.create(model=model, input="x", background=True).id for _ in range(count)]
+        if not seen:
+            return [client.responses.create(model=model, input="x", background=True).id for _ in range(count)]
+        created = []
+        for _ in range(count):
+            with client.responses.create(model=model, input="x", background=True, stream=True) as stream:
+                created.append(next(iter(stream)).response.id)
+        return created
 
     def held_by(self, response_ids: list[str], holder: str) -> None:
         """Wait until `holder` holds every one of the responses."""
@@ -98,37 +108,48 @@ def _has_output(redis: Redis, response_id: str) -> bool:
 
 
 def test_kill_9_with_100_responses_in_flight(lab: Lab) -> None:
-    """A worker killed with 100 responses: those with no output yet run again to completion, those whose
-    output reached clients fail saying the worker stopped; none stays live, every stream stays whole."""
+    """A worker killed with 100 responses: those with no output yet, and those whose output no client
+    has seen, run again to completion; those whose output a client saw fail saying the worker stopped;
+    none stays live, every stream stays whole and tells only the run that counted."""
     quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
+    text = " ".join(f"w{n}" for n in range(100))
     # The first run of each quiet response never gets an answer; the second does at once.
     lab.upstream.script(
         quiet, {"times": 50, "first_delay": 300, "text": "never", "then": {"text": "quiet answer"}}
     )
-    lab.upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(100)), "delay": 0.1})
+    lab.upstream.script(talking, {"text": text, "delay": 0.1})
     doomed = lab.start("doomed")
-    quiet_ids, talking_ids = lab.create(quiet, 50), lab.create(talking, 50)
-    every = quiet_ids + talking_ids
+    quiet_ids = lab.create(quiet, 50)
+    seen_ids, unseen_ids = lab.create(talking, 25, seen=True), lab.create(talking, 25)
+    every = quiet_ids + seen_ids + unseen_ids
     lab.held_by(every, doomed)
-    lab.streamed(talking_ids)
+    lab.streamed(seen_ids + unseen_ids)
     lab.start("survivor")
     killed_at = time.monotonic()
     signal_process(lab.stack, "doomed", KILL)
     statuses = wait_until_ended(lab.sdk, every, timeout=120)
     print(f"kill -9: 100 responses ended {time.monotonic() - killed_at:.1f} s after the kill")
-    assert {statuses[rid] for rid in quiet_ids} == {"completed"}
-    assert {statuses[rid] for rid in talking_ids} == {"failed"}
+    assert {statuses[rid] for rid in quiet_ids + unseen_ids} == {"completed"}
+    assert {statuses[rid] for rid in seen_ids} == {"failed"}
     for response_id in every:
         stored = check_ended(lab.sdk, response_id)
-        if response_id in talking_ids:
-            assert stored["error"] == {"code": "server_error", "message": WORKER_LOST}
+        if response_id in seen_ids:
+            assert stored["error"] == {"code": "server_error", "message": WORKER_LOST, "type": "server_error"}
             # What had been streamed is kept, closed as incomplete: the stream and the record agree.
             (message,) = stored["output"]
             assert message["status"] == "incomplete"
-            assert " ".join(f"w{n}" for n in range(100)).startswith(message["content"][0]["text"])
+            assert text.startswith(message["content"][0]["text"])
+        elif response_id in unseen_ids:
+            # The dead run's output is gone from the stream: one message, the whole text, once.
+            events = list(lab.sdk.responses.retrieve(response_id, stream=True))
+            added = [event for event in events if event.type == "response.output_item.added"]
+            deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+            assert (len(added), deltas) == (1, text)
+            assert stored["output"][0]["content"][0]["text"] == text
         else:
             assert stored["output"][0]["content"][0]["text"] == "quiet answer"
     assert len(lab.upstream.requests(quiet)) == 100  # each quiet response was asked for exactly twice
+    assert len(lab.upstream.requests(talking)) == 75  # the unseen ones twice, the seen ones once
 
 
 def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab: Lab) -> None:
@@ -139,7 +160,7 @@ def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab:
     )
     lab.upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(60)), "delay": 0.1})
     frozen = lab.start("frozen")
-    quiet_ids, talking_ids = lab.create(quiet, 10), lab.create(talking, 10)
+    quiet_ids, talking_ids = lab.create(quiet, 10), lab.create(talking, 10, seen=True)
     every = quiet_ids + talking_ids
     lab.held_by(every, frozen)
     lab.streamed(talking_ids)

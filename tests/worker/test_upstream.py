@@ -19,7 +19,15 @@ import pytest
 from worker import upstream
 from worker.routing import Route, UpstreamApi
 from worker.settings import Settings
-from worker.upstream import RetryPolicy, UpstreamError, create_client, stream_json
+from worker.upstream import (
+    CHAT_STREAM,
+    RESPONSES_STREAM,
+    RetryPolicy,
+    StreamKind,
+    UpstreamError,
+    create_client,
+    stream_json,
+)
 
 ROUTE = Route("m", UpstreamApi.CHAT, "http://upstream.test/v1")
 PAYLOADS = [{"n": 1}, {"n": 2}]
@@ -403,3 +411,141 @@ async def test_every_httpx_error_becomes_an_upstream_error(
     is_transient = kind in TRANSIENT
     assert len(fake.requests) == (POLICY.attempts if is_transient else 1)
     assert ("gave up after 4 attempts" in error.message) is is_transient
+
+
+# --- what a well-formed request and a finished stream are ----------------------------------------
+
+
+async def test_every_request_is_json_with_its_content_type() -> None:
+    """The body is sent as JSON and says so (FastAPI servers read no body as JSON without it)."""
+    fake = Upstream(ok())
+    async with client_for(fake) as client:
+        body = {"model": "m", "stream": True}
+        assert [p async for p in stream_json(client, ROUTE, "/chat/completions", body)] == PAYLOADS
+    sent = fake.requests[0]
+    assert sent.headers["content-type"] == "application/json"
+    assert sent.headers["accept"] == "text/event-stream"
+    assert orjson.loads(sent.content) == body
+
+
+def chat(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
+
+
+ROLE, TEXT, FINISH = chat({"role": "assistant", "content": ""}), chat({"content": "Hi"}), chat({}, "stop")
+USAGE = {
+    "object": "chat.completion.chunk",
+    "choices": [],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+}
+
+
+def raw(body: bytes) -> httpx2.Response:
+    return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+def frames(*payloads: object, done: bool = True) -> bytes:
+    body = b"".join(b"data: " + orjson.dumps(payload) + b"\n\n" for payload in payloads)
+    return body + (b"data: [DONE]\n\n" if done else b"")
+
+
+async def collect_chat(fake: Upstream, kind: StreamKind = CHAT_STREAM) -> list[Any]:
+    async with client_for(fake) as client:
+        return [p async for p in stream_json(client, ROUTE, "/chat/completions", {}, POLICY, kind)]
+
+
+async def test_a_finished_chat_stream_yields_every_chunk_held_back_ones_included(delays: list[float]) -> None:
+    """The role chunk held back until the first output is yielded before it; usage after the finish too."""
+    fake = Upstream(raw(frames(ROLE, TEXT, FINISH, USAGE)))
+    assert await collect_chat(fake) == [ROLE, TEXT, FINISH, USAGE]
+    assert delays == []
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"", "the upstream ended its stream without a finish_reason"),
+        (b": keepalive\n\n", "the upstream ended its stream without a finish_reason"),
+        (frames(done=True), "the upstream sent [DONE] without a finish_reason"),
+        (frames(ROLE, done=False), "the upstream ended its stream without a finish_reason"),
+        (frames(ROLE, USAGE, done=True), "the upstream sent [DONE] without a finish_reason"),
+    ],
+    ids=["empty", "comments-only", "done-only", "role-then-eof", "role-usage-done"],
+)
+async def test_a_stream_that_ends_unfinished_before_output_is_retried(
+    delays: list[float], body: bytes, message: str
+) -> None:
+    """An empty 200 stream (llama-cpp-python failing inside), or one with no output before it ends,
+    is retried: nothing reached a client; what it held back is dropped."""
+    fake = Upstream(raw(body), raw(frames(ROLE, TEXT, FINISH)))
+    assert await collect_chat(fake) == [ROLE, TEXT, FINISH]
+    assert len(fake.requests) == 2
+    assert len(delays) == 1
+
+    always = Upstream(raw(body))
+    with pytest.raises(UpstreamError) as failure:
+        await collect_chat(always)
+    assert failure.value.message == f"{message}; gave up after 4 attempts"
+    assert len(always.requests) == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (frames(ROLE, TEXT, done=False), "the upstream ended its stream without a finish_reason"),
+        (frames(ROLE, TEXT, USAGE, done=True), "the upstream sent [DONE] without a finish_reason"),
+    ],
+    ids=["eof", "done"],
+)
+async def test_a_stream_that_ends_unfinished_after_output_fails(
+    delays: list[float], body: bytes, message: str
+) -> None:
+    """Once output was yielded, a stream that ends without a finish_reason is a failure that says so, not retried."""
+    fake = Upstream(raw(body), raw(frames(ROLE, TEXT, FINISH)))
+    received: list[Any] = []
+
+    async def receive() -> None:
+        async with client_for(fake) as client:
+            async for payload in stream_json(client, ROUTE, "/chat/completions", {}, POLICY, CHAT_STREAM):
+                received.append(payload)
+
+    with pytest.raises(UpstreamError) as failure:
+        await receive()
+    assert received[:2] == [ROLE, TEXT]
+    assert failure.value.message == message
+    assert len(fake.requests) == 1
+    assert delays == []
+
+
+async def test_a_responses_stream_ends_only_at_a_terminal_event(delays: list[float]) -> None:
+    """A Responses stream that stops after its lifecycle events is retried; one that ends at
+    `response.completed` is finished."""
+    created = {"type": "response.created", "response": {}}
+    delta = {"type": "response.output_text.delta", "delta": "Hi"}
+    completed = {"type": "response.completed", "response": {}}
+    fake = Upstream(raw(frames(created, done=False)), raw(frames(created, delta, completed, done=False)))
+    assert await collect_chat(fake, RESPONSES_STREAM) == [created, delta, completed]
+    assert len(fake.requests) == 2
+
+    cut = Upstream(raw(frames(created, delta, done=False)))
+    with pytest.raises(UpstreamError, match="without a terminal event"):
+        await collect_chat(cut, RESPONSES_STREAM)
+    assert len(cut.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        (404, "model_not_found"),
+        (401, "upstream_unauthorized"),
+        (403, "upstream_forbidden"),
+        (400, "server_error"),
+    ],
+)
+async def test_a_refusal_says_what_it_was_in_its_code(delays: list[float], status: int, code: str) -> None:
+    """The upstream's 404 is the model not found, 401/403 our key refused; other refusals are server errors."""
+    error = await fail(Upstream(refusal(status, "nope")))
+    assert (error.status, error.code) == (status, code)

@@ -113,6 +113,15 @@ def includes_logprobs(request: dict[str, Any]) -> bool:
     return LOGPROBS_INCLUDE in (request.get("include") or [])
 
 
+def stream_options(request: dict[str, Any]) -> dict[str, Any]:
+    """What reading the upstream's stream needs to know of the request (`chat_stream.start_stream`)."""
+    return {
+        "include_logprobs": includes_logprobs(request),
+        "top_logprobs": int(request.get("top_logprobs") or 0),
+        "max_output_tokens": request.get("max_output_tokens"),
+    }
+
+
 def _refuse_unhonourable(request: dict[str, Any]) -> None:
     for key, message in _REFUSED.items():
         if request.get(key) is not None:

@@ -11,14 +11,20 @@ Rules:
 - `delta.reasoning_content` / `delta.reasoning` => `reasoning` item, `reasoning_text` part,
   `response.reasoning_text.delta`
 - `delta.content` => `message` item, `output_text` part, `response.output_text.delta` (with the
-  chunk's `logprobs.content` when logprobs were asked for, else `[]`)
+  chunk's `logprobs.content` when logprobs were asked for, else `[]`; each token's `top_logprobs`
+  cut to the number asked for: llama-cpp-python adds the sampled token as one more)
 - `delta.refusal` => `message` item, `refusal` part, `response.refusal.delta`
 - `delta.tool_calls[i]` => `function_call` item per upstream `index` (a new `id` at a known index
   starts another call), `response.function_call_arguments.delta`
 - empty, role-only or null deltas => nothing
 - `finish_reason` `length` => incomplete (`max_output_tokens`), `content_filter` => incomplete
   (`content_filter`), anything else => completed; items still open at the end are closed with
-  the outcome's status
+  the outcome's status. A stream with no `finish_reason` never gets here: the upstream call refuses
+  it (`worker.upstream.CHAT_STREAM`)
+- a function call whose arguments are not JSON when the stream ends otherwise `completed`
+  (llama-cpp-python says `tool_calls` when `max_tokens` cut the arguments short) => incomplete
+  (`max_output_tokens`) if the request set `max_output_tokens` and the usage does not show it
+  unreached; else a failure naming the call: never a `completed` call a client cannot parse
 - `usage` on any chunk (the last one wins) => Responses usage (PROTOCOL.md §1.4)
 """
 
@@ -26,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 from worker.errors import RespoolError
 from worker.translation import output
@@ -50,15 +58,22 @@ class ChatStream:
     """The state of one translated stream; make it with `start_stream`."""
 
     include_logprobs: bool = False
+    top_logprobs: int = 0
+    max_output_tokens: int | None = None
     output: Output = field(default_factory=Output)
     call_ids: dict[int, str | None] = field(default_factory=dict)  # upstream tool call id per index
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
 
 
-def start_stream(*, include_logprobs: bool = False) -> ChatStream:
-    """A fresh stream; `include_logprobs` puts the upstream's token logprobs on text events."""
-    return ChatStream(include_logprobs=include_logprobs)
+def start_stream(
+    *, include_logprobs: bool = False, top_logprobs: int = 0, max_output_tokens: int | None = None
+) -> ChatStream:
+    """A fresh stream; `include_logprobs` puts the upstream's token logprobs on text events, with at
+    most `top_logprobs` candidates each; `max_output_tokens` is the request's."""
+    return ChatStream(
+        include_logprobs=include_logprobs, top_logprobs=top_logprobs, max_output_tokens=max_output_tokens
+    )
 
 
 def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[Event]:
@@ -84,6 +99,8 @@ def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[Event]:
 def finish_stream(state: ChatStream) -> tuple[list[Event], Outcome]:
     """The `.done` events of every item still open, and the outcome."""
     reason = _INCOMPLETE_REASONS.get(state.finish_reason or "")
+    if reason is None:
+        reason = _cut_call_reason(state)
     status: Literal["completed", "incomplete"] = "incomplete" if reason else "completed"
     events = output.close_open(state.output, status)
     outcome = Outcome(
@@ -93,6 +110,33 @@ def finish_stream(state: ChatStream) -> tuple[list[Event], Outcome]:
         usage=state.usage,
     )
     return events, outcome
+
+
+def _cut_call_reason(state: ChatStream) -> str | None:
+    """`max_output_tokens` if a call's arguments are not JSON because the token limit cut them; None
+    if every call's are. Raises if they are not JSON for another reason (rules above)."""
+    malformed = next((item for item in state.output.items if _has_malformed_arguments(item)), None)
+    if malformed is None:
+        return None
+    limit, used = state.max_output_tokens, (state.usage or {}).get("output_tokens")
+    if limit is not None and (state.usage is None or int(used or 0) >= limit):
+        return "max_output_tokens"
+    arguments = "".join(malformed.arguments)
+    raise RespoolError(
+        f"The model ended its call of '{malformed.fields['name']}' with arguments that are not valid "
+        f"JSON: {arguments[:200]!r}."
+    )
+
+
+def _has_malformed_arguments(item: output.Item) -> bool:
+    arguments = "".join(item.arguments)
+    if item.type != "function_call" or not arguments.strip():  # no arguments at all: nothing cut
+        return False
+    try:
+        orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return True
+    return False
 
 
 # --- one function per kind of delta -------------------------------------------------------------
@@ -109,7 +153,11 @@ def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[Event]:
 def _on_content(state: ChatStream, delta: dict[str, Any], logprobs: dict[str, Any] | None) -> list[Event]:
     tokens = ((logprobs or {}).get("content") or []) if state.include_logprobs else []
     return output.append_text(
-        state.output, "message", "output_text", delta.get("content"), [_logprob(t) for t in tokens]
+        state.output,
+        "message",
+        "output_text",
+        delta.get("content"),
+        [_logprob(token, state.top_logprobs) for token in tokens],
     )
 
 
@@ -142,9 +190,10 @@ def _orphan_arguments(index: int, arguments: str | None) -> list[Event]:
 # --- shapes -------------------------------------------------------------------------------------
 
 
-def _logprob(token: dict[str, Any]) -> dict[str, Any]:
-    """A chat token logprob => a Responses one (PROTOCOL.md §1.5, `logprobs`)."""
-    top = [_top_logprob(candidate) for candidate in token.get("top_logprobs") or []]
+def _logprob(token: dict[str, Any], top_logprobs: int) -> dict[str, Any]:
+    """A chat token logprob => a Responses one (PROTOCOL.md §1.5, `logprobs`), with at most
+    `top_logprobs` candidates."""
+    top = [_top_logprob(candidate) for candidate in (token.get("top_logprobs") or [])[:top_logprobs]]
     return {**_top_logprob(token), "top_logprobs": top}
 
 

@@ -56,8 +56,16 @@ def call(deltas: int) -> list[str]:
     return [ADDED, *["response.function_call_arguments.delta"] * deltas]
 
 
-def run(chunks: Events, *, include_logprobs: bool = False) -> tuple[Events, Outcome]:
-    state = start_stream(include_logprobs=include_logprobs)
+def run(
+    chunks: Events,
+    *,
+    include_logprobs: bool = False,
+    top_logprobs: int = 20,
+    max_output_tokens: int | None = None,
+) -> tuple[Events, Outcome]:
+    state = start_stream(
+        include_logprobs=include_logprobs, top_logprobs=top_logprobs, max_output_tokens=max_output_tokens
+    )
     events = [event for chunk in chunks for event in translate_chunk(state, chunk)]
     closing, outcome = finish_stream(state)
     return events + closing, outcome
@@ -251,7 +259,7 @@ def test_finish_reason_sets_the_outcome(fixture: str, status: str, details: dict
 
 def test_logprobs_are_translated_when_asked_for() -> None:
     """With logprobs requested, each text delta and the final part carry token, logprob, bytes and top_logprobs."""
-    events, outcome = run(load("vllm_logprobs"), include_logprobs=True)
+    events, outcome = run(load("vllm_logprobs"), include_logprobs=True, top_logprobs=2)
     deltas = [event for event in events if event["type"] == "response.output_text.delta"]
     assert deltas[0]["logprobs"] == [
         {
@@ -391,3 +399,60 @@ def test_item_ids_are_minted_in_openai_shapes() -> None:
     """Reasoning items get `rs_…` ids and messages `msg_…` ids."""
     _, outcome = run(load("llamacpp_reasoning_content"))
     assert [entry["id"].split("_")[0] for entry in outcome.output] == ["rs", "msg"]
+
+
+def test_top_logprobs_carry_at_most_the_number_asked_for() -> None:
+    """An upstream that adds the sampled token as one more candidate (llama-cpp-python) is cut to `top_logprobs`."""
+    candidates = [{"token": t, "logprob": -float(n), "bytes": None} for n, t in enumerate(["a", "b", "c"])]
+    token = {"token": "a", "logprob": 0.0, "bytes": None, "top_logprobs": candidates}
+    logprobs = {"content": [token]}
+    for asked, expected in ((2, ["a", "b"]), (1, ["a"]), (0, [])):
+        events, _ = run(
+            [chunk({"content": "a"}, logprobs=logprobs)], include_logprobs=True, top_logprobs=asked
+        )
+        assert [top["token"] for top in events[2]["logprobs"][0]["top_logprobs"]] == expected
+
+
+# llama-cpp-python's answer when `max_tokens` runs out inside a call's arguments: `tool_calls`, and
+# the arguments as far as they got (its usage is absent from streams).
+CUT_CALL = [tool_chunk(0, "call_w", name="get_weather", arguments='{"ci'), chunk({}, "tool_calls")]
+
+
+def test_a_call_cut_by_the_token_limit_ends_incomplete() -> None:
+    """A call whose arguments are not JSON, with `max_output_tokens` set and no usage, ends incomplete (max_output_tokens)."""
+    events, outcome = run(CUT_CALL, max_output_tokens=3)
+    assert (outcome.status, outcome.incomplete_details) == ("incomplete", {"reason": "max_output_tokens"})
+    assert outcome.output[0]["status"] == "incomplete"
+    assert outcome.output[0]["arguments"] == '{"ci'
+    assert events[-1]["item"]["status"] == "incomplete"
+
+
+def test_a_call_cut_with_usage_at_the_limit_ends_incomplete() -> None:
+    """Usage that shows the limit reached confirms the cut: incomplete."""
+    spent = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
+    _, outcome = run([*CUT_CALL, spent], max_output_tokens=3)
+    assert outcome.status == "incomplete"
+
+
+@pytest.mark.parametrize(
+    ("max_output_tokens", "usage_chunks"),
+    [
+        (None, []),
+        (50, [{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}]),
+    ],
+    ids=["no-limit", "limit-not-reached"],
+)
+def test_a_call_with_malformed_arguments_otherwise_fails(
+    max_output_tokens: int | None, usage_chunks: Events
+) -> None:
+    """Arguments that are not JSON with no token limit to blame are a failure naming the call, never `completed`."""
+    with pytest.raises(RespoolError, match=r"get_weather.*not valid JSON"):
+        run([*CUT_CALL, *usage_chunks], max_output_tokens=max_output_tokens)
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Paris"}', "", "[]"])
+def test_calls_with_json_or_no_arguments_complete(arguments: str) -> None:
+    """Calls whose arguments parse (or that have none) complete, token limit or not."""
+    calls = [tool_chunk(0, "call_w", name="get_weather", arguments=arguments), chunk({}, "tool_calls")]
+    _, outcome = run(calls, max_output_tokens=3)
+    assert outcome.status == "completed"
