@@ -7,14 +7,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import ORJSONResponse
 from starlette.responses import Response
 
 from api import errors, openapi
 from api.auth import Keys
+from api.encoding import JSONAnswer
 from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
-from api.routes import router
+from api.routes import router, websockets
 from worker.service import ResponseService
 from worker.settings import Settings
 
@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await service.close()
 
-    app = FastAPI(title="respool", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app = FastAPI(title="respool", lifespan=lifespan, default_response_class=JSONAnswer)
     app.state.keys = keys
     app.add_middleware(  # inside the request id
         BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_seconds=settings.body_timeout_seconds
@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ApiMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(router)
+    app.include_router(websockets)
     openapi.install(app, secured=not keys.is_open)
 
     @app.get("/metrics", include_in_schema=False)

@@ -13,12 +13,12 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.encoding import JSONAnswer
 from worker import logs
 from worker.errors import (
     InvalidRequestError,
@@ -35,7 +35,7 @@ log = logging.getLogger("respool.api")
 REQUEST_ID = "x-request-id"
 
 
-def error_response(error: RespoolError, retry_after_seconds: int | None = None) -> ORJSONResponse:
+def error_response(error: RespoolError, retry_after_seconds: int | None = None) -> JSONAnswer:
     """The envelope for `error`, with `retry-after` where the client should come back (and
     `x-should-retry: false` where its SDK must not do so by itself)."""
     headers = {}
@@ -47,10 +47,10 @@ def error_response(error: RespoolError, retry_after_seconds: int | None = None) 
         headers["x-should-retry"] = "false"
     if isinstance(error, RequestTimeoutError):  # what is left of its body will not be read
         headers["connection"] = "close"
-    return ORJSONResponse(error.to_body(), status_code=error.status, headers=headers)
+    return JSONAnswer(error.to_body(), status_code=error.status, headers=headers)
 
 
-def committed_error_response(exc: Exception, retry_after_seconds: int | None = None) -> ORJSONResponse:
+def committed_error_response(exc: Exception, retry_after_seconds: int | None = None) -> JSONAnswer:
     """An error after a create was committed: never retried, or the SDK would run it twice (PROTOCOL.md §5.5)."""
     if not isinstance(exc, RespoolError):
         log.exception("error while waiting for a committed response")

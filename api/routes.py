@@ -6,21 +6,33 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Path, Query, Request
-from fastapi.responses import ORJSONResponse
+from fastapi import APIRouter, Depends, Path, Query, Request, WebSocket
+from starlette.convertors import StringConvertor, register_url_convertor
 from starlette.responses import Response
 
 from api import openapi
 from api.auth import owner
+from api.encoding import JSONAnswer
 from api.errors import committed_error_response
 from api.sse import sse_response, until_disconnected
-from worker.errors import InvalidRequestError
+from worker.errors import InvalidRequestError, WebSocketNotSupportedError
 from worker.request import RESPONSE_ID_PATTERN, check_no_nul
 from worker.service import ResponseService, Stream
 
 Owner = Annotated[str, Depends(owner)]
 # A response id of any other form is refused with 400 naming `response_id`, before any lookup.
 ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
+
+
+class _ResponseIdSegment(StringConvertor):
+    """A path segment that may be a response id: any but OpenAI's own `/responses/compact` and
+    `/responses/input_tokens`, which respool does not serve and which are never taken for ids (those
+    paths are unknown routes, 404, like any other)."""
+
+    regex = r"(?!(?:compact|input_tokens)(?:/|$))[^/]+"
+
+
+register_url_convertor("response_id", _ResponseIdSegment())
 # The largest cursor taken: any event's number is below it (JSON's safe integers; Redis ids are 64-bit).
 MAX_SEQUENCE_NUMBER = 2**53 - 1
 
@@ -69,7 +81,7 @@ async def create_response(request: Request, owner: Owner) -> Response:
             service, created.stream, _abandon(service, owner, response_id) if is_foreground else None
         )
     if not is_foreground:
-        return ORJSONResponse(created.response)
+        return JSONAnswer(created.response)
     try:
         final = await until_disconnected(request, service.wait(response_id))
     except Exception as exc:  # the job is committed: whatever failed, the client must not retry
@@ -77,7 +89,7 @@ async def create_response(request: Request, owner: Owner) -> Response:
     if final is None:  # the client went away: nobody is left to answer
         await service.abandon(owner, response_id)
         return Response(status_code=499)
-    return ORJSONResponse(final)
+    return JSONAnswer(final)
 
 
 def _abandon(service: ResponseService, owner: str, response_id: str) -> Callable[[], Awaitable[None]]:
@@ -98,7 +110,7 @@ def _relay(
 
 
 @router.get(
-    "/responses/{response_id}",
+    "/responses/{response_id:response_id}",
     operation_id="retrieveResponse",
     responses=openapi.answers("Response", stream=True),
 )
@@ -112,28 +124,28 @@ async def retrieve_response(
     """Poll a response, or replay its events after `starting_after` and follow them (PROTOCOL.md §6.3)."""
     service = _service(request)
     if not stream:
-        return ORJSONResponse(await service.retrieve(owner, response_id))
+        return JSONAnswer(await service.retrieve(owner, response_id))
     after = -1 if starting_after is None else starting_after
     return _relay(service, await service.replay(owner, response_id, after))
 
 
 @router.post(
-    "/responses/{response_id}/cancel", operation_id="cancelResponse", responses=openapi.answers("Response")
+    "/responses/{response_id:response_id}/cancel", operation_id="cancelResponse", responses=openapi.answers("Response")
 )
 async def cancel_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     """Cancel a background response; the body (empty, PROTOCOL.md §0.10) is not read."""
-    return ORJSONResponse(await _service(request).cancel(owner, response_id))
+    return JSONAnswer(await _service(request).cancel(owner, response_id))
 
 
 @router.delete(
-    "/responses/{response_id}", operation_id="deleteResponse", responses=openapi.answers("ResponseDeleted")
+    "/responses/{response_id:response_id}", operation_id="deleteResponse", responses=openapi.answers("ResponseDeleted")
 )
 async def delete_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
-    return ORJSONResponse(await _service(request).delete(owner, response_id))
+    return JSONAnswer(await _service(request).delete(owner, response_id))
 
 
 @router.get(
-    "/responses/{response_id}/input_items",
+    "/responses/{response_id:response_id}/input_items",
     operation_id="listInputItems",
     responses=openapi.answers("InputItemList"),
 )
@@ -147,9 +159,22 @@ async def list_input_items(
 ) -> Response:
     """A page of the response's input items, newest first by default (PROTOCOL.md §5)."""
     page = await _service(request).input_items(owner, response_id, after, limit, order)
-    return ORJSONResponse(page)
+    return JSONAnswer(page)
+
+
+# WebSocket routes: the HTTP routes' dependencies take a `Request`, which a WebSocket scope is not.
+websockets = APIRouter(prefix="/v1")
+
+
+@websockets.websocket("/responses")
+async def refuse_websocket(websocket: WebSocket) -> None:
+    """The Responses API over WebSocket is not served: refused with 426 and an OpenAI-shaped error
+    (README: Clients). Codex CLI falls back to HTTP at once, for the rest of its session, on a 426
+    alone: any other refusal it retries five times first, and a bare 403 told nobody why."""
+    error = WebSocketNotSupportedError()
+    await websocket.send_denial_response(JSONAnswer(error.to_body(), status_code=error.status))
 
 
 @router.get("/models", operation_id="listModels", responses=openapi.answers("ModelList"))
 async def list_models(request: Request, owner: Owner) -> Response:
-    return ORJSONResponse({"object": "list", "data": _service(request).models()})
+    return JSONAnswer({"object": "list", "data": _service(request).models()})

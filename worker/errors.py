@@ -5,10 +5,12 @@
     │   ├── MissingParameterError     400 code missing_required_parameter
     │   ├── UnsupportedParameterError 400 code unsupported_parameter
     │   ├── PreviousResponseNotFoundError  400 code previous_response_not_found
+    │   ├── ToolOutputMissingError    400 a function call with no output (no code, as OpenAI)
     │   └── RequestTooLargeError      413 code request_too_large (RESPOOL_MAX_BODY_BYTES)
     ├── RequestTimeoutError           408 code request_timeout (RESPOOL_BODY_TIMEOUT_SECONDS)
     ├── AuthenticationError           401
     ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
+    ├── WebSocketNotSupportedError    426 (the Responses API over WebSocket: clients fall back to HTTP)
     ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
     │   ├── RateLimitError            an owner's requests over RESPOOL_RATE_LIMIT_PER_MINUTE
     │   └── StreamLimitError          an owner's open streams at RESPOOL_MAX_STREAMS_PER_KEY
@@ -68,6 +70,16 @@ class PreviousResponseNotFoundError(InvalidRequestError):
         )
 
 
+class ToolOutputMissingError(InvalidRequestError):
+    """A function call with no output before the next input message or the end, in the input or
+    along the previous_response_id chain: OpenAI's own 400, word for word."""
+
+    code = None
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(f"No tool output found for function call {call_id}.", param="input")
+
+
 class RequestTooLargeError(InvalidRequestError):
     """A body over the size limit: refused before more of it is read (never retried by the SDK)."""
 
@@ -115,6 +127,21 @@ class ModelNotFoundError(NotFoundError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist or is not routed.", param="model")
+
+
+class WebSocketNotSupportedError(RespoolError):
+    """A WebSocket upgrade on `/v1/responses`: respool serves the Responses API over HTTP only. 426
+    Upgrade Required is the refusal clients fall back from (Codex CLI switches to HTTP at once)."""
+
+    status = 426
+    type = "invalid_request_error"
+    code = "websocket_not_supported"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This server does not serve the Responses API over WebSocket; use HTTP: POST /v1/responses, "
+            "with stream=true for server-sent events."
+        )
 
 
 class OverloadedError(RespoolError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.errors import InvalidRequestError, UnsupportedParameterError
+from worker.errors import InvalidRequestError, ToolOutputMissingError, UnsupportedParameterError
 from worker.ids import new_id
 
 ROLES = {"user", "system", "developer", "assistant"}
@@ -95,13 +95,25 @@ def _require(item: dict[str, Any], param: str, *keys: str) -> None:
 
 
 def check_tool_outputs(items: list[dict[str, Any]], first_new: int) -> None:
-    """Every `function_call_output` needs an earlier `function_call` with its `call_id` (PROTOCOL.md §10)."""
+    """Every `function_call_output` needs an earlier `function_call` with its `call_id`, and every
+    `function_call` its output before the next input message and by the end (PROTOCOL.md §10), as
+    OpenAI answers: a chat upstream would be sent an assistant tool call followed by a user message,
+    which real servers reject. `first_new` is where the request's own items start."""
     call_ids: set[str] = set()
+    pending: dict[str, None] = {}  # calls still waiting for their output, in order
     for index, item in enumerate(items):
         if item["type"] == "function_call":
             call_ids.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in call_ids:
-            raise InvalidRequestError(
-                f"No tool call found for function call output with call_id {item['call_id']}.",
-                param=f"input[{index - first_new}]" if index >= first_new else "previous_response_id",
-            )
+            pending[item["call_id"]] = None
+        elif item["type"] == "function_call_output":
+            if item["call_id"] not in call_ids:
+                raise InvalidRequestError(
+                    f"No tool call found for function call output with call_id {item['call_id']}.",
+                    param=f"input[{index - first_new}]" if index >= first_new else "previous_response_id",
+                )
+            pending.pop(item["call_id"], None)
+        elif item["type"] == "message" and item.get("role") != "assistant" and pending:
+            raise ToolOutputMissingError(next(iter(pending)))
+    if pending:
+        raise ToolOutputMissingError(next(iter(pending)))
+

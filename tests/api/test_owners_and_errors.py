@@ -88,7 +88,7 @@ def test_every_route_is_probed(stack: Stack) -> None:
         (method.upper(), path) for path, ops in paths.items() if path.startswith("/v1") for method in ops
     }
     held = {
-        (method, route.path)
+        (method, route.path_format)
         for route in router.routes
         if isinstance(route, APIRoute)
         for method in route.methods

@@ -23,9 +23,6 @@ from tests.support.schema import validate_event
 from worker.errors import UnavailableAfterCommitError, UnavailableError
 from worker.outages import database_outage, redis_outage
 
-# The API still answers with ORJSONResponse, which this FastAPI deprecates: not this module's subject.
-pytestmark = pytest.mark.filterwarnings("ignore::fastapi.exceptions.FastAPIDeprecationWarning")
-
 REDIS_OUTAGES = [
     redis_errors.ConnectionError("refused"),
     redis_errors.TimeoutError("hung"),

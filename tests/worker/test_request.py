@@ -111,6 +111,46 @@ def test_tool_outputs_need_an_earlier_call() -> None:
     assert caught.value.param == "input[0]"
 
 
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+USER = {"role": "user", "content": "and now?"}
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [USER, CALL, USER],
+        [USER, CALL],
+        [USER, CALL, {**CALL, "call_id": "call_2"}, {**OUTPUT, "call_id": "call_2"}, USER],
+        [USER, CALL, {"role": "system", "content": "be brief"}, OUTPUT],
+    ],
+    ids=["then-a-user-message", "at-the-end", "one-of-two-answered", "then-a-system-message"],
+)
+def test_a_call_without_its_output_is_refused_as_openai_does(items: list[dict[str, Any]]) -> None:
+    """A function_call with no output before the next input message (or the end) is OpenAI's 400, naming the call."""
+    with pytest.raises(InvalidRequestError) as caught:
+        check_tool_outputs(normalize_input(items), 0)
+    assert (caught.value.message, caught.value.param, caught.value.code) == (
+        "No tool output found for function call call_1.",
+        "input",
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [USER, CALL, OUTPUT, USER],
+        [USER, CALL, {**CALL, "call_id": "call_2"}, {**OUTPUT, "call_id": "call_2"}, OUTPUT],
+        [USER, CALL, {"role": "assistant", "content": "checking"}, OUTPUT],
+    ],
+    ids=["answered", "parallel-answered-out-of-order", "assistant-text-between"],
+)
+def test_calls_answered_before_the_next_input_message_are_accepted(items: list[dict[str, Any]]) -> None:
+    """Calls whose outputs come (in any order, assistant items between) before the next input message pass."""
+    check_tool_outputs(normalize_input(items), 0)
+
+
 @pytest.mark.parametrize("status", list(Status))
 def test_responses_are_valid_in_every_status(status: Status) -> None:
     """A Response in any status passes the Open Responses schema and parses as the SDK's Response."""
