@@ -47,7 +47,7 @@ class RespoolError(Exception):
 class InvalidRequestError(RespoolError):
     status = 400
     type = "invalid_request_error"
-    code = "invalid_value"
+    code: str | None = "invalid_value"
 
 
 class MissingParameterError(InvalidRequestError):
