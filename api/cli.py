@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "hash-key":
         sys.exit(hash_key())
     settings = _settings(args)
-    logs.configure(settings.log_format)
+    logs.configure(settings.log_format, settings.log_level)
     if args.command == "up":
         sys.exit(up(settings))
     if args.command == "bench":
@@ -152,10 +152,12 @@ def hash_key() -> int:
 
 
 def _uvicorn_logging(settings: Settings) -> dict[str, Any]:
-    """uvicorn's own logging in text mode; in JSON mode none, so its records reach our JSON handler."""
-    if settings.log_format == "json":
-        return {"log_config": None, "log_level": "info", "access_log": settings.access_log}
-    return {"log_level": "info", "access_log": settings.access_log}
+    """uvicorn logs as every respool process does (worker.logs), in each of its processes."""
+    return {
+        "log_config": logs.dict_config(settings.log_format, settings.log_level),
+        "log_level": settings.log_level,
+        "access_log": settings.access_log,
+    }
 
 
 def _require_servers(settings: Settings) -> None:
@@ -164,7 +166,8 @@ def _require_servers(settings: Settings) -> None:
 
 
 def up(settings: Settings) -> int:
-    """Start what is missing (embedded Redis and Postgres), migrate, then the API and the workers."""
+    """Start what is missing (embedded Redis and Postgres), migrate, then the API and the workers,
+    each started again whenever it exits (worker.supervisor); the embedded servers are watched."""
     from worker.embedded import EmbeddedPostgres, EmbeddedRedis
     from worker.migrate import migrate
     from worker.supervisor import Supervisor
@@ -172,14 +175,17 @@ def up(settings: Settings) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     started: list[EmbeddedRedis | EmbeddedPostgres] = []
     try:
+        supervisor = Supervisor()
         if not settings.redis_url:
             started.append(EmbeddedRedis.start(settings.data_dir))
             settings.redis_url = started[-1].url
+            supervisor.watch("the embedded Redis", started[-1].process)
         if not settings.database_url:
             started.append(EmbeddedPostgres.start(settings.data_dir))
             settings.database_url = started[-1].url
+            supervisor.watch("the embedded Postgres", started[-1].process)
         migrate(settings.database_url)
-        return _run_processes(settings, Supervisor())
+        return _run_processes(settings, supervisor)
     finally:
         for server in reversed(started):
             server.stop()

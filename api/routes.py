@@ -130,7 +130,9 @@ async def retrieve_response(
 
 
 @router.post(
-    "/responses/{response_id:response_id}/cancel", operation_id="cancelResponse", responses=openapi.answers("Response")
+    "/responses/{response_id:response_id}/cancel",
+    operation_id="cancelResponse",
+    responses=openapi.answers("Response"),
 )
 async def cancel_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     """Cancel a background response; the body (empty, PROTOCOL.md §0.10) is not read."""
@@ -138,7 +140,9 @@ async def cancel_response(request: Request, response_id: ResponseId, owner: Owne
 
 
 @router.delete(
-    "/responses/{response_id:response_id}", operation_id="deleteResponse", responses=openapi.answers("ResponseDeleted")
+    "/responses/{response_id:response_id}",
+    operation_id="deleteResponse",
+    responses=openapi.answers("ResponseDeleted"),
 )
 async def delete_response(request: Request, response_id: ResponseId, owner: Owner) -> Response:
     return JSONAnswer(await _service(request).delete(owner, response_id))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from worker.supervisor import die_with_parent, stop_leftovers, terminate
+from worker.processes import die_with_parent, stop_leftovers, terminate
 
 logger = logging.getLogger(__name__)
 

@@ -116,4 +116,3 @@ def check_tool_outputs(items: list[dict[str, Any]], first_new: int) -> None:
             raise ToolOutputMissingError(next(iter(pending)))
     if pending:
         raise ToolOutputMissingError(next(iter(pending)))
-

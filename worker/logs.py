@@ -3,14 +3,19 @@ each carrying the request id and the response id it concerns, when there is one.
 
 The ids travel in context variables: the API sets `REQUEST_ID` per request and `RESPONSE_ID` once
 it knows the response; a worker sets `RESPONSE_ID` in each response's task.
+
+At the default level (`RESPOOL_LOG_LEVEL=info`) the console says what a user needs: startup, where
+the API listens, a line a request, warnings and errors. The libraries' chatter (RQ's registry
+cleaning every 2 s and its three lines a job, Alembic's set-up lines) is shown from `debug` on.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+import logging.config
 from contextvars import ContextVar
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 
@@ -39,10 +44,46 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line).decode()
 
 
-def configure(log_format: str) -> None:
-    """Send every logger's records to stderr, as text or as JSON lines."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+class WithoutFalseAlarms(logging.Filter):
+    """Drops uvicorn's "ASGI callable returned without completing handshake." after a WebSocket
+    upgrade the app refused with an HTTP answer (`websocket.http.response`), which uvicorn 0.54's
+    default WebSocket protocol logs as an ERROR though it sent that answer as given."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+# Libraries whose INFO lines are routine (RQ's maintenance every 2 s and three lines a job, Alembic's
+# plugin set-up): shown only from `debug` on.
+CHATTY = ("rq", "alembic")
+
+
+def dict_config(log_format: str, level: str = "info") -> dict[str, Any]:
+    """The `logging.config.dictConfig` of a respool process: every record to stderr, as text or as
+    JSON lines, at `level`; uvicorn's own loggers included (uvicorn applies it in each of its
+    processes, so `--replicas` children log alike)."""
+    formatter: dict[str, Any] = {"()": JsonFormatter} if log_format == "json" else {"format": TEXT_FORMAT}
+    quiet = {"debug": "DEBUG", "info": "WARNING"}.get(level, level.upper())
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"respool": formatter},
+        "filters": {"without_false_alarms": {"()": WithoutFalseAlarms}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "respool", "stream": "ext://sys.stderr"}
+        },
+        "root": {"handlers": ["stderr"], "level": level.upper()},
+        "loggers": {
+            **{name: {"level": quiet} for name in CHATTY},
+            # uvicorn's own handlers would print in another format: its records go to the root's.
+            **{
+                name: {"handlers": [], "propagate": True}
+                for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+            },
+        },
+    }
+
+
+def configure(log_format: str, level: str = "info") -> None:
+    """Send every logger's records to stderr, as text or as JSON lines, at `level`."""
+    logging.config.dictConfig(dict_config(log_format, level))

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, text
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, create_engine, text
 
 from worker.store import async_url
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 # Concurrent `migrate` runs (several replicas starting at once) take turns on this lock.
 LOCK_ID = 0x7265_7370_6F6F_6C
+
+log = logging.getLogger("respool.migrate")
 
 
 def alembic_config(database_url: str) -> Config:
@@ -30,11 +34,21 @@ def migrate(database_url: str) -> None:
         conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": LOCK_ID})
         conn.commit()
         try:
+            before = _revision(conn)
             config = alembic_config(database_url)
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
             conn.commit()
+            after = _revision(conn)
+            if before == after:
+                log.info("the database schema is up to date (revision %s)", after)
+            else:
+                log.info("migrated the database schema from revision %s to %s", before or "(none)", after)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": LOCK_ID})
             conn.commit()
     engine.dispose()
+
+
+def _revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()

@@ -326,4 +326,6 @@ def run_worker(settings: Settings, concurrency: int) -> None:
     # loop runs; the default 5 ms switch interval would add up to 5 ms to each of its round trips.
     sys.setswitchinterval(0.0005)
     connection = SyncRedis.from_url(settings.redis_url)
-    ResponseWorker(settings, connection, concurrency).work(logging_level="INFO")
+    # RQ's own lines (registry cleaning every few seconds, three a job) only from `debug` on.
+    rq_level = "DEBUG" if settings.log_level == "debug" else "WARNING"
+    ResponseWorker(settings, connection, concurrency).work(logging_level=rq_level)

@@ -58,8 +58,10 @@ class Settings(BaseSettings):
     # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
     api_replicas: int = 1
 
-    # Logs: "text", or "json" (one object a line, with request and response ids).
+    # Logs: "text", or "json" (one object a line, with request and response ids); and how much:
+    # "info" shows startup, requests, warnings and errors; "debug" also the libraries' routine lines.
     log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     # uvicorn's access log, a line a request (the API's own warnings and errors are logged either way).
     access_log: bool = True
 
@@ -103,8 +105,9 @@ class Settings(BaseSettings):
     stream_ttl_seconds: int = 3600
     retention_days: float = 30.0
 
-    # The synthetic model's pace, seconds between words.
-    synthetic_delay_seconds: float = 0.0
+    # The synthetic model's pace, seconds between words: a small one, so that a first `stream=True`
+    # is seen to stream (0 for tests and the benchmark).
+    synthetic_delay_seconds: float = Field(default=0.02, ge=0)
 
     @property
     def has_servers(self) -> bool:

@@ -1,22 +1,25 @@
-"""The child processes of `respool up`. `Supervisor` starts the API and worker processes, waits,
-and stops every one of them on Ctrl-C, SIGTERM or the first unexpected exit; the functions below
-it are how `worker.embedded` runs and stops its servers.
+"""The child processes of `respool up`. `Supervisor` starts the API and worker processes and keeps
+them running as compose and Kubernetes keep containers running: a child that exits is started again
+with backoff, the others serving on meanwhile. Only a child that keeps dying (a crash loop) or the
+death of a process it cannot do without (an embedded Redis or Postgres, which it watches but never
+restarts) stops everything, saying which and why; so do Ctrl-C, SIGTERM and SIGHUP.
 
 Why each child gets its own session (`start_new_session=True`): Ctrl-C makes the terminal send
 SIGINT to the whole foreground process group. If the children shared the supervisor's group they
 would all be interrupted at once, in no particular order, while the supervisor is still deciding
 what to do. In their own sessions only the supervisor hears the terminal; it then sends SIGTERM
 to each child's whole process group (so a child's own children, such as uvicorn workers, hear it
-too), waits up to `grace_seconds`, and SIGKILLs whatever is left.
+too), waits up to `grace_seconds`, and SIGKILLs whatever is left. A child that dies on its own takes
+its group with it (SIGKILL, as a container runtime kills what a dead container's main process left),
+so a restarted API never meets its predecessor's uvicorn workers still holding the port.
 
 On Linux every child also gets SIGTERM from the kernel if the supervisor dies abruptly
-(`kill -9`), via `die_with_parent`, so no process outlives `respool up`.
+(`kill -9`), via `worker.processes.die_with_parent`, so no process outlives `respool up`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -26,63 +29,55 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 from typing import IO, BinaryIO
+
+from worker.processes import describe_exit, die_with_parent, exit_status
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _Handler = Callable[[int, FrameType | None], object] | int | None  # what signal.signal() returns
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_SECONDS = 0.05
-_STOP_SECONDS = 30.0
-_LEFTOVER_SECONDS = 10.0
-_PROC = Path("/proc")
 
 
-def die_with_parent(signum: int) -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the kernel send `signum` to the child when this process dies.
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that exited starts again: after `first_delay_seconds`, doubling with each death
+    within `crash_loop_seconds` up to `max_delay_seconds`; the `crash_loop_deaths`-th death within
+    that window is a crash loop, which stops everything."""
 
-    Linux only (None elsewhere). The kernel fires it when the *thread* that spawned the child
-    exits, so spawn long-lived children from the main thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent_pid = os.getpid()
+    first_delay_seconds: float = 1.0
+    max_delay_seconds: float = 30.0
+    crash_loop_deaths: int = 5
+    crash_loop_seconds: float = 60.0
 
-    def arm() -> None:
-        if prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        # The parent may have died between fork() and prctl(); then no signal would ever come.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signum)
-
-    return arm
-
-
-def exit_status(returncode: int) -> int:
-    """A Popen return code as a shell exit status: death by signal N becomes 128 + N."""
-    return returncode if returncode >= 0 else 128 - returncode
+    def delay(self, recent_deaths: int) -> float:
+        """Seconds before the start that follows the `recent_deaths`-th recent death (from 1)."""
+        return min(self.max_delay_seconds, self.first_delay_seconds * 2.0 ** min(recent_deaths - 1, 32))
 
 
 @dataclass
 class _Child:
     name: str
-    process: subprocess.Popen[bytes]
-    pump: threading.Thread
+    argv: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None  # None while it waits to start again
+    pump: threading.Thread | None = None
+    deaths: deque[float] = field(default_factory=deque)  # when it exited, recently (monotonic)
+    restart_at: float | None = None
 
     def has_exited(self) -> bool:
-        """Whether the child has exited, *without* reaping it.
+        """Whether the running process has exited, *without* reaping it.
 
         Leaving the zombie in place keeps its pid, and so its process-group id, from being reused
         until we have swept the group with SIGKILL.
         """
-        if self.process.returncode is not None:
-            return True
+        if self.process is None or self.process.returncode is not None:
+            return self.process is not None
         try:
             info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
@@ -91,8 +86,26 @@ class _Child:
 
     def signal_group(self, signum: int) -> None:
         """Send `signum` to the child and everything it started in its process group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signum)
+
+    def reap(self) -> int:
+        """Kill what the exited process left in its group, reap it; its return code."""
+        assert self.process is not None
+        self.signal_group(signal.SIGKILL)  # its unreaped zombie still holds the group id
+        returncode = self.process.wait()
+        if self.pump is not None:
+            self.pump.join(timeout=1.0)
+        return returncode
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """Why everything stops on its own: what to say, and the exit status of `respool up`."""
+
+    reason: str
+    status: int
 
 
 class _SignalWatch:
@@ -128,9 +141,9 @@ class _SignalWatch:
     def _record(self, signum: int, _frame: FrameType | None) -> None:
         self.received.append(signum)
 
-    def sleep(self) -> None:
-        """Block until some signal arrives (or already has since the last call)."""
-        select.select([self._reader], [], [])
+    def sleep(self, timeout: float | None = None) -> None:
+        """Block until some signal arrives (or already has since the last call), at most `timeout` s."""
+        select.select([self._reader], [], [], timeout)
         with contextlib.suppress(BlockingIOError):
             while self._reader.recv(4096):
                 pass
@@ -142,48 +155,47 @@ def _stdout_buffer() -> BinaryIO:
 
 @dataclass
 class Supervisor:
-    """Runs named child processes until a stop signal or the first unexpected exit."""
+    """Runs named child processes, starting each again when it exits, until a stop signal, a crash
+    loop, or the exit of a watched process."""
 
     grace_seconds: float = 10.0
     output: BinaryIO = field(default_factory=_stdout_buffer, repr=False)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     _children: list[_Child] = field(default_factory=list, init=False, repr=False)
+    _watched: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list, init=False, repr=False)
     _output_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        """Start `argv` in its own session; its output goes to `output`, each line prefixed `name | `."""
-        process = subprocess.Popen(
-            argv,
-            # Children write to a pipe, not a terminal; unbuffered keeps their lines in time order.
-            env={"PYTHONUNBUFFERED": "1", **env},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGTERM),
-        )
-        assert process.stdout is not None  # stdout=PIPE
-        pump = threading.Thread(
-            target=self._copy_lines, args=(name, process.stdout), name=f"output-{name}", daemon=True
-        )
-        pump.start()
-        self._children.append(_Child(name, process, pump))
-        logger.info("started %s (pid %d)", name, process.pid)
+        """Start `argv` in its own session; its output goes to `output`, each line prefixed `name | `.
+        Started again whenever it exits (`restart`)."""
+        child = _Child(name, argv, env)
+        self._start(child)
+        self._children.append(child)
+
+    def watch(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        """Stop everything if `process` (started elsewhere, never restarted here) exits."""
+        self._watched.append((name, process))
 
     def wait(self) -> int:
-        """Block until a stop signal or a child's exit, stop everything, and return an exit status.
+        """Keep the children running until a stop signal, a crash loop or a watched process's exit;
+        then stop everything and return an exit status.
 
-        0 after SIGINT/SIGTERM/SIGHUP; otherwise the exit status of the child that exited first.
-        A second signal while stopping skips the grace period. Call it from the main thread.
+        0 after SIGINT/SIGTERM/SIGHUP; after a crash loop the exit status of the child that kept
+        dying (1 if that was 0); 1 after a watched process's exit. A second signal while stopping
+        skips the grace period. Call it from the main thread.
         """
         with _SignalWatch() as watch:
             logger.info("running %d processes; press Ctrl-C to stop", len(self._children))
-            culprit = self._first_exited()
-            while culprit is None and not watch.received:
-                watch.sleep()
-                culprit = self._first_exited()
-            self._report(culprit, watch.received)
+            stop = self._tend()
+            while stop is None and not watch.received:
+                watch.sleep(self._until_next_start())
+                stop = self._tend()
+            if stop is not None:
+                logger.error("%s; stopping everything", stop.reason)
+            else:
+                logger.info("received %s; stopping", signal.Signals(watch.received[0]).name)
             self._stop(is_forced=lambda: len(watch.received) > 1)
-        return 0 if culprit is None else exit_status(culprit.process.returncode)
+        return 0 if stop is None else stop.status
 
     def stop(self) -> None:
         """SIGTERM every child's process group, wait up to `grace_seconds`, SIGKILL the rest, reap.
@@ -192,30 +204,86 @@ class Supervisor:
         """
         self._stop(is_forced=lambda: False)
 
+    def _start(self, child: _Child) -> None:
+        child.restart_at = None
+        child.process = subprocess.Popen(
+            child.argv,
+            # Children write to a pipe, not a terminal; unbuffered keeps their lines in time order.
+            env={"PYTHONUNBUFFERED": "1", **child.env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        assert child.process.stdout is not None  # stdout=PIPE
+        child.pump = threading.Thread(
+            target=self._copy_lines,
+            args=(child.name, child.process.stdout),
+            name=f"output-{child.name}",
+            daemon=True,
+        )
+        child.pump.start()
+        logger.info("started %s (pid %d)", child.name, child.process.pid)
+
+    def _tend(self) -> _Stop | None:
+        """Note every exit since the last look: schedule restarts, start what is due; or why to stop."""
+        for name, process in self._watched:
+            if process.poll() is not None:
+                reason = f"{name} exited ({describe_exit(process.returncode)}); respool cannot run without it"
+                return _Stop(reason, 1)
+        now = time.monotonic()
+        for child in self._children:
+            if child.has_exited():
+                stop = self._on_exit(child, now)
+                if stop is not None:
+                    return stop
+            if child.process is None and child.restart_at is not None and now >= child.restart_at:
+                self._start(child)
+        return None
+
+    def _on_exit(self, child: _Child, now: float) -> _Stop | None:
+        assert child.process is not None
+        pid, returncode = child.process.pid, child.reap()
+        child.process = None
+        child.deaths.append(now)
+        while child.deaths and child.deaths[0] < now - self.restart.crash_loop_seconds:
+            child.deaths.popleft()
+        how = describe_exit(returncode)
+        if len(child.deaths) >= self.restart.crash_loop_deaths:
+            reason = (
+                f"{child.name} exited {len(child.deaths)} times within "
+                f"{self.restart.crash_loop_seconds:g} s (the last time: {how})"
+            )
+            return _Stop(reason, exit_status(returncode) or 1)
+        delay = self.restart.delay(len(child.deaths))
+        child.restart_at = now + delay
+        logger.warning(
+            "%s (pid %d) exited unexpectedly (%s); starting it again in %g s", child.name, pid, how, delay
+        )
+        return None
+
+    def _until_next_start(self) -> float | None:
+        """Seconds until the next restart is due; None: none is (wait for a signal)."""
+        due = [child.restart_at for child in self._children if child.restart_at is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
     def _stop(self, is_forced: Callable[[], bool]) -> None:
-        running = [child for child in self._children if not child.has_exited()]
+        running = [child for child in self._children if child.process is not None and not child.has_exited()]
         for child in running:
             child.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_seconds
         while any(not c.has_exited() for c in running) and time.monotonic() < deadline and not is_forced():
             time.sleep(_POLL_SECONDS)
         for child in self._children:
+            if child.process is None:
+                continue
             # Also sweeps what a child left behind in its group; the child's unreaped zombie
             # still holds the group id, so this cannot hit an unrelated process.
-            child.signal_group(signal.SIGKILL)
-            child.process.wait()
-            child.pump.join(timeout=1.0)
-            logger.info("%s exited with status %d", child.name, exit_status(child.process.returncode))
+            returncode = child.reap()
+            logger.info("%s exited with status %d", child.name, exit_status(returncode))
+            child.process = None
         self._children.clear()
-
-    def _first_exited(self) -> _Child | None:
-        return next((child for child in self._children if child.has_exited()), None)
-
-    def _report(self, culprit: _Child | None, received: list[int]) -> None:
-        if culprit is not None:
-            logger.warning("%s exited unexpectedly; stopping everything", culprit.name)
-        else:
-            logger.info("received %s; stopping", signal.Signals(received[0]).name)
 
     def _copy_lines(self, name: str, stream: IO[bytes]) -> None:
         prefix = f"{name} | ".encode()
@@ -227,65 +295,3 @@ class Supervisor:
                     # full pipe.
                     self.output.write(prefix + line + ending)
                     self.output.flush()
-
-
-# Servers: see worker.embedded.
-
-
-def terminate(process: subprocess.Popen[bytes], signum: int) -> None:
-    """Send `signum`, wait up to 30 s, then SIGKILL; always reap. Idempotent."""
-    if process.poll() is None:
-        process.send_signal(signum)
-        try:
-            process.wait(_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d ignored signal %d; killing it", process.pid, signum)
-            process.kill()
-    process.wait()
-
-
-def processes_of(binary_name: str, cwd: Path) -> list[int]:
-    """Live processes running binary `binary_name` in working directory `cwd` (none without /proc).
-
-    A server chdirs into its data dir, so this finds one left running there and no other. Zombies
-    have no cwd, so they never count.
-    """
-    pids = []
-    for entry in _PROC.glob("[0-9]*"):
-        try:
-            exe, here = os.readlink(entry / "exe"), os.readlink(entry / "cwd")
-        except OSError:  # gone meanwhile, a zombie, or not ours to inspect
-            continue
-        if Path(exe.removesuffix(" (deleted)")).name == binary_name and Path(here) == cwd:
-            pids.append(int(entry.name))
-    return pids
-
-
-def stop_leftovers(binary_name: str, cwd: Path, signum: int, *, only: int | None = None) -> None:
-    """Stop a server left running in `cwd`: `signum` to each process (or just `only`), then SIGKILL."""
-    pids = processes_of(binary_name, cwd)
-    if not pids:
-        return
-    logger.warning("stopping %s processes %s left running in %s", binary_name, pids, cwd)
-    for pid in pids if only is None else [pid for pid in pids if pid == only]:
-        _kill(pid, signum)
-        _kill(pid, signal.SIGCONT)  # a suspended process would not act on `signum` until continued
-    if _wait_for(lambda: not processes_of(binary_name, cwd), _LEFTOVER_SECONDS):
-        return
-    for pid in processes_of(binary_name, cwd):
-        _kill(pid, signal.SIGKILL)
-    _wait_for(lambda: not processes_of(binary_name, cwd), _LEFTOVER_SECONDS)
-
-
-def _kill(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(_POLL_SECONDS)
-    return True

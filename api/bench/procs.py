@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx2
 
-from worker.supervisor import die_with_parent, terminate
+from worker.processes import die_with_parent, terminate
 
 
 class StartError(RuntimeError):
