@@ -116,6 +116,17 @@ def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.
     output = _interrupt(process)
     assert "client.responses.create" in output  # the copy-paste SDK example
     assert process.returncode == 0, output
+    # A quiet console (RESPOOL_LOG_LEVEL=info): where it listens, the workers ready, a line a request,
+    # the migration in one line; none of RQ's lines (its registry cleaning every 2 s, three a job)
+    # nor Alembic's set-up lines.
+    for expected in (
+        "migrated the database schema",
+        "ready: taking responses",
+        "Uvicorn running on",
+        "POST /v1/responses",
+    ):
+        assert expected in output, expected
+    assert " rq." not in output and " alembic." not in output, output
     wait_for(lambda: not _processes_using(tmp_path), timeout=10, what="no process left")
 
     process = _up(tmp_path, port)

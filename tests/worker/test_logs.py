@@ -50,6 +50,54 @@ def test_a_record_out_of_context_has_no_ids_and_keeps_its_traceback() -> None:
     assert "ValueError: boom" in line["exception"]
 
 
+@pytest.mark.parametrize(
+    ("level", "shown", "hidden"),
+    [
+        (
+            "info",
+            ["respool.worker", "uvicorn.error", "uvicorn.access"],
+            ["rq.worker", "alembic.runtime.plugins"],
+        ),
+        ("debug", ["respool.worker", "rq.worker", "alembic.runtime.plugins"], []),
+        ("warning", [], ["respool.worker", "uvicorn.access", "rq.worker"]),
+    ],
+)
+def test_the_level_decides_whose_info_lines_are_shown(
+    level: str, shown: list[str], hidden: list[str]
+) -> None:
+    """At `info` respool's and uvicorn's INFO lines show and RQ's and Alembic's routine ones do not;
+    `debug` shows those too; `warning` shows no INFO line at all."""
+    root = logging.getLogger()
+    handlers, root_level = root.handlers[:], root.level
+    try:
+        logs.configure("text", level)
+        for name in shown:
+            assert logging.getLogger(name).isEnabledFor(logging.INFO), name
+        for name in hidden:
+            assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+    finally:  # as pytest had it
+        root.handlers[:] = handlers
+        root.setLevel(root_level)
+        for name in logs.CHATTY:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_uvicorns_false_alarm_after_a_refused_websocket_is_dropped() -> None:
+    """uvicorn's "returned without completing handshake" after our 426 is not an error; others pass."""
+    keep = logs.WithoutFalseAlarms()
+    record = logging.getLogger("uvicorn.error").makeRecord(
+        "uvicorn.error",
+        logging.ERROR,
+        "f",
+        1,
+        "ASGI callable returned without completing handshake.",
+        (),
+        None,
+    )
+    assert not keep.filter(record)
+    assert keep.filter(_record("anything else"))
+
+
 @pytest.mark.integration
 @pytest.mark.once
 def test_a_worker_logs_json_lines_naming_the_response(

@@ -456,3 +456,39 @@ def test_calls_with_json_or_no_arguments_complete(arguments: str) -> None:
     calls = [tool_chunk(0, "call_w", name="get_weather", arguments=arguments), chunk({}, "tool_calls")]
     _, outcome = run(calls, max_output_tokens=3)
     assert outcome.status == "completed"
+
+
+def test_llama_cpp_pythons_extra_candidate_is_cut_on_its_real_stream() -> None:
+    """A real llama-cpp-python 0.3.36 stream asked for 2 top logprobs, which sends 3 for some tokens: 2 each."""
+    chunks = load("llamacpp_python_top_logprobs")
+    sent = [
+        len(token["top_logprobs"])
+        for c in chunks
+        for token in ((c["choices"][0].get("logprobs") or {}).get("content") or [])
+    ]
+    assert max(sent) == 3  # what the server sends
+    events, outcome = run(chunks, include_logprobs=True, top_logprobs=2, max_output_tokens=5)
+    told = [
+        len(t["top_logprobs"])
+        for e in events
+        if e["type"] == "response.output_text.delta"
+        for t in e["logprobs"]
+    ]
+    assert told == [2] * len(sent)
+    assert [len(t["top_logprobs"]) for t in outcome.output[0]["content"][0]["logprobs"]] == [2] * len(sent)
+    assert (outcome.status, outcome.incomplete_details) == ("incomplete", {"reason": "max_output_tokens"})
+
+
+def test_llama_cpp_pythons_cut_call_on_its_real_stream_ends_incomplete() -> None:
+    """A real llama-cpp-python 0.3.36 call cut at '{"c' by max_tokens 3, said `tool_calls`: incomplete, and valid."""
+    events, outcome = run(load("llamacpp_python_cut_tool_call"), max_output_tokens=3)
+    assert (outcome.status, outcome.incomplete_details) == ("incomplete", {"reason": "max_output_tokens"})
+    (call,) = outcome.output
+    assert (call["type"], call["name"], call["arguments"], call["status"]) == (
+        "function_call",
+        "get_weather",
+        '{"c',
+        "incomplete",
+    )
+    for sequence_number, event in enumerate(events):
+        validate_event({**event, "sequence_number": sequence_number})
