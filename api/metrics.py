@@ -46,8 +46,8 @@ class MetricsMiddleware:
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 # The router has put the matched route in the scope by now; its template, not the
-                # path, keeps the label set small.
-                route = getattr(scope.get("route"), "path", "unmatched")
+                # path, keeps the label set small (`path_format`: without the convertors' names).
+                route = getattr(scope.get("route"), "path_format", "unmatched")
                 self.metrics.requests.labels(route, scope["method"], str(message["status"])).inc()
             await send(message)
 

@@ -276,10 +276,10 @@ async def _attempt(
                 raise await _status_error(reply)
             is_ended = is_done = False
             async for line in reply.aiter_lines():
-                if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                payload = _data(line)
+                if payload is _DONE:
                     is_done = True
                     break
-                payload = _data(line)
                 if payload is not None:
                     is_ended = is_ended or kind.ends(payload)
                     yield payload
@@ -378,12 +378,19 @@ def _seconds_until(http_date: str) -> float | None:
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 
 
+# What `_data` returns for `data: [DONE]`, the end of an OpenAI-style stream.
+_DONE: Payload = {}
+
+
 def _data(line: str) -> Payload | None:
+    """The JSON object of a `data:` line (`_DONE` for `[DONE]`); None for any other line."""
     if not line.startswith("data:"):
         return None
     text = line[5:].strip()
     if not text:
         return None
+    if text == "[DONE]":
+        return _DONE
     if "\\u0000" in text:
         text = _NUL_ESCAPE.sub("\\1\\\\ufffd", text)
     try:
