@@ -15,7 +15,7 @@ from websockets.sync.client import connect
 from tests.support.stack import Stack
 from tests.support.upstream_process import ScriptedUpstream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.once]  # nothing here depends on which servers serve it
 
 
 @pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
