@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.once]  # its own embedded ser
 
 # The console script `uv run respool` runs: the README's first command, as a user types it.
 RESPOOL = str(Path(sys.executable).with_name("respool"))
+# A synthetic reply of 31 words (its preamble, then these quoted back); at 0.15 s a word, about 5 s.
+WORDS = " ".join(f"word{n}" for n in range(25))
+SLOW = {"RESPOOL_SYNTHETIC_DELAY_SECONDS": "0.15"}
 
 
 def _processes_using(path: Path) -> list[int]:
@@ -113,6 +117,12 @@ def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.
     assert len(_api_replicas(tmp_path)) == 2
     created = client.responses.create(model="synthetic", input="keep me", background=True)
     done = wait_for(lambda: (r := client.responses.retrieve(created.id)).status == "completed" and r)
+    # By default the synthetic model says its words 20 ms apart, so a first stream is seen to stream:
+    # its 31 words come in many deltas, the last no sooner than 31 pauses after the request.
+    sent = time.monotonic()
+    stream = client.responses.create(model="synthetic", input=WORDS, stream=True)
+    arrivals = [time.monotonic() for event in stream if event.type == "response.output_text.delta"]
+    assert len(arrivals) > 1 and arrivals[-1] - sent >= 31 * 0.02
     output = _interrupt(process)
     assert "client.responses.create" in output  # the copy-paste SDK example
     assert process.returncode == 0, output
@@ -134,11 +144,6 @@ def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.
     assert client.responses.retrieve(created.id).output_text == done.output_text
     _interrupt(process)
     wait_for(lambda: not _processes_using(tmp_path), timeout=10, what="no process left")
-
-
-# A slow synthetic reply: 30-odd words at 0.15 s, about 5 s a response.
-SLOW = {"RESPOOL_SYNTHETIC_DELAY_SECONDS": "0.15"}
-WORDS = " ".join(f"word{n}" for n in range(25))
 
 
 @pytest.mark.faults
