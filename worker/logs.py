@@ -76,10 +76,8 @@ def dict_config(log_format: str, level: str = "info") -> dict[str, Any]:
         "loggers": {
             **{name: {"level": quiet} for name in CHATTY},
             # uvicorn's own handlers would print in another format: its records go to the root's.
-            **{
-                name: {"handlers": [], "propagate": True}
-                for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
-            },
+            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.access")},
+            "uvicorn.error": {"handlers": [], "propagate": True, "filters": ["without_false_alarms"]},
         },
     }
 
