@@ -5,6 +5,10 @@ call with no output is refused as OpenAI refuses it."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import httpx
 import openai
@@ -108,3 +112,44 @@ def test_a_call_without_output_in_the_input_is_400(client: openai.OpenAI, model:
         client.responses.create(
             model=model, input=[{"role": "user", "content": "q"}, call, {"role": "user", "content": "?"}]
         )  # type: ignore[list-item]
+
+
+def _codex() -> str:
+    """The Codex CLI executable (CI installs it from npm; `RESPOOL_TEST_CODEX` names it)."""
+    codex = os.environ.get("RESPOOL_TEST_CODEX") or shutil.which("codex")
+    if not codex:
+        pytest.skip(
+            "needs Codex CLI: npm install --prefix .ci/codex @openai/codex and set RESPOOL_TEST_CODEX"
+        )
+    return codex
+
+
+def test_codex_cli_falls_back_to_http_after_the_426(queue_only: Stack, tmp_path: Path) -> None:
+    """The real Codex CLI, whose built-in provider tries a WebSocket first, meets the 426 once and goes
+    on over HTTP (what respool then answers its request is another matter: hosted tools, issue 17)."""
+    log_before = queue_only.log("api-queue-only")
+    answer = subprocess.run(
+        [
+            _codex(),
+            "exec",
+            "--skip-git-repo-check",
+            "-c",
+            f'openai_base_url="{queue_only.url}/v1"',
+            "-m",
+            "synthetic",
+            "say hi",
+        ],
+        env={**os.environ, "CODEX_HOME": str(tmp_path), "OPENAI_API_KEY": "sk-unused"},
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    seen = queue_only.log("api-queue-only").removeprefix(log_before)
+    assert seen.count('"WebSocket /v1/responses" 426') == 1, seen
+    assert '"POST /v1/responses HTTP/1.1"' in seen.partition('"WebSocket /v1/responses" 426')[2], seen
+    assert "ASGI callable returned without completing handshake" not in seen
+    # Codex reports respool's answer to its HTTP request: it did fall back.
+    assert "namespace" in answer.stdout + answer.stderr
