@@ -23,6 +23,9 @@ Owner = Annotated[str, Depends(owner)]
 # A response id of any other form is refused with 400 naming `response_id`, before any lookup.
 ResponseId = Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]
 
+# The largest cursor taken: any event's number is below it (JSON's safe integers; Redis ids are 64-bit).
+MAX_SEQUENCE_NUMBER = 2**53 - 1
+
 
 class _ResponseIdSegment(StringConvertor):
     """A path segment that may be a response id: any but OpenAI's own `/responses/compact` and
@@ -33,8 +36,6 @@ class _ResponseIdSegment(StringConvertor):
 
 
 register_url_convertor("response_id", _ResponseIdSegment())
-# The largest cursor taken: any event's number is below it (JSON's safe integers; Redis ids are 64-bit).
-MAX_SEQUENCE_NUMBER = 2**53 - 1
 
 
 def _service(request: Request) -> ResponseService:

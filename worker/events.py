@@ -58,7 +58,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
 local head = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 3)
 local kept = {}
 for _, entry in ipairs(head) do
-  local kind = entry[2][2]
+  local kind = entry[2][2]  -- every XADD writes `t` (the type) first, then `d`
   if kind ~= 'response.created' and kind ~= 'response.queued' and kind ~= 'response.in_progress' then break end
   kept[#kept + 1] = entry
 end

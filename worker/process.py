@@ -31,6 +31,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker
 
+from worker import logs
 from worker.keys import cancel_key
 from worker.queue import job_statuses, response_queue
 from worker.recovery import sweep
@@ -327,5 +328,6 @@ def run_worker(settings: Settings, concurrency: int) -> None:
     sys.setswitchinterval(0.0005)
     connection = SyncRedis.from_url(settings.redis_url)
     # RQ's own lines (registry cleaning every few seconds, three a job) only from `debug` on.
-    rq_level = "DEBUG" if settings.log_level == "debug" else "WARNING"
-    ResponseWorker(settings, connection, concurrency).work(logging_level=rq_level)
+    ResponseWorker(settings, connection, concurrency).work(
+        logging_level=logs.chatty_level(settings.log_level)
+    )
