@@ -87,9 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(bench(args, settings))
     _require_servers(settings)
     if args.command == "migrate":
-        from worker.migrate import migrate
-
-        migrate(settings.database_url)
+        sys.exit(run_migrate(settings))
     elif args.command == "api":
         import uvicorn
 
@@ -104,16 +102,36 @@ def main(argv: Sequence[str] | None = None) -> None:
                 workers=settings.api_replicas,
                 host=settings.host,
                 port=settings.port,
-                **_uvicorn_logging(settings),
+                **_uvicorn_options(settings),
             )
         else:
             uvicorn.run(
-                create_app(settings), host=settings.host, port=settings.port, **_uvicorn_logging(settings)
+                create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings)
             )
     elif args.command == "worker":
         from worker.process import run_worker
 
         run_worker(settings, settings.concurrency)
+
+
+def run_migrate(settings: Settings) -> int:
+    """`respool migrate`: the schema to its newest revision, once Postgres answers (within
+    RESPOOL_DATABASE_WAIT_SECONDS); 1, saying why, if it never does."""
+    from worker.migrate import migrate
+    from worker.store import is_unreachable
+
+    try:
+        migrate(settings.database_url, settings.database_wait_seconds)
+    except Exception as exc:
+        if not is_unreachable(exc):
+            raise
+        print(
+            f"respool migrate: Postgres was not reachable within {settings.database_wait_seconds:g} s "
+            f"(RESPOOL_DATABASE_WAIT_SECONDS): {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def bench(args: argparse.Namespace, settings: Settings) -> int:
@@ -151,12 +169,14 @@ def hash_key() -> int:
     return 0
 
 
-def _uvicorn_logging(settings: Settings) -> dict[str, Any]:
-    """uvicorn logs as every respool process does (worker.logs), in each of its processes."""
+def _uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn logs as every respool process does (worker.logs), in each of its processes, and
+    believes the forwarded headers of `RESPOOL_FORWARDED_ALLOW_IPS` only."""
     return {
         "log_config": logs.dict_config(settings.log_format, settings.log_level),
         "log_level": settings.log_level,
         "access_log": settings.access_log,
+        "forwarded_allow_ips": settings.forwarded_allow_ips,
     }
 
 
@@ -184,7 +204,7 @@ def up(settings: Settings) -> int:
             started.append(EmbeddedPostgres.start(settings.data_dir))
             settings.database_url = started[-1].url
             supervisor.watch("the embedded Postgres", started[-1].process)
-        migrate(settings.database_url)
+        migrate(settings.database_url, settings.database_wait_seconds)
         return _run_processes(settings, supervisor)
     finally:
         for server in reversed(started):

@@ -6,7 +6,8 @@ it knows the response; a worker sets `RESPONSE_ID` in each response's task.
 
 At the default level (`RESPOOL_LOG_LEVEL=info`) the console says what a user needs: startup, where
 the API listens, a line a request, warnings and errors. The libraries' chatter (RQ's registry
-cleaning every 2 s and its three lines a job, Alembic's set-up lines) is shown from `debug` on.
+cleaning every 2 s and its three lines a job, Alembic's set-up lines) and the lines of health checks
+and metric scrapes are shown from `debug` on.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ class WithoutFalseAlarms(logging.Filter):
         return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
+class WithoutProbes(logging.Filter):
+    """Drops the access-log lines of health checks and metric scrapes (`/healthz`, `/readyz`,
+    `/metrics`): a container healthcheck or a probe every few seconds would be most of the log."""
+
+    PATHS = ("/healthz", "/readyz", "/metrics")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn.access records carry (client, method, path with query, HTTP version, status).
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]).partition("?")[0] if len(args) > 2 else ""
+        return path not in self.PATHS
+
+
 # Libraries whose INFO lines are routine (RQ's maintenance every 2 s and three lines a job, Alembic's
 # plugin set-up): shown only from `debug` on.
 CHATTY = ("rq", "alembic")
@@ -73,7 +87,10 @@ def dict_config(log_format: str, level: str = "info") -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"respool": formatter},
-        "filters": {"without_false_alarms": {"()": WithoutFalseAlarms}},
+        "filters": {
+            "without_false_alarms": {"()": WithoutFalseAlarms},
+            "without_probes": {"()": WithoutProbes},
+        },
         "handlers": {
             "stderr": {"class": "logging.StreamHandler", "formatter": "respool", "stream": "ext://sys.stderr"}
         },
@@ -81,8 +98,13 @@ def dict_config(log_format: str, level: str = "info") -> dict[str, Any]:
         "loggers": {
             **{name: {"level": quiet} for name in CHATTY},
             # uvicorn's own handlers would print in another format: its records go to the root's.
-            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.access")},
+            "uvicorn": {"handlers": [], "propagate": True},
             "uvicorn.error": {"handlers": [], "propagate": True, "filters": ["without_false_alarms"]},
+            "uvicorn.access": {
+                "handlers": [],
+                "propagate": True,
+                "filters": [] if level == "debug" else ["without_probes"],
+            },
         },
     }
 

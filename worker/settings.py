@@ -57,6 +57,10 @@ class Settings(BaseSettings):
 
     # API processes serving one port (uvicorn's process manager); `respool up` and `respool api`.
     api_replicas: int = 1
+    # Peers whose X-Forwarded-For / X-Forwarded-Proto the API believes (uvicorn's
+    # --forwarded-allow-ips: addresses, CIDRs, or "*"): the reverse proxy in front of it, so logs name
+    # the client rather than the proxy.
+    forwarded_allow_ips: str = "127.0.0.1"
 
     # Logs: "text", or "json" (one object a line, with request and response ids); and how much:
     # "info" shows startup, requests, warnings and errors; "debug" also the libraries' routine lines.
@@ -85,8 +89,9 @@ class Settings(BaseSettings):
     max_queue_depth: int = 0
     # Runs of one response before it is given up (a worker dying under it each time).
     max_attempts: int = 3
-    # How long a worker holding a response waits for an unreachable Postgres before giving up on it.
-    database_wait_seconds: float = 120.0
+    # How long a worker holding a response waits for an unreachable Postgres before giving up on it,
+    # and `respool migrate` for one still starting up.
+    database_wait_seconds: float = Field(default=120.0, ge=0)
     # A foreground request whose client goes away is cancelled (DESIGN.md §2).
     cancel_on_disconnect: bool = True
 

@@ -22,6 +22,7 @@ import yaml
 
 from api.app import create_app
 from api.cli import _parser
+from worker.routing import load_routes
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,13 +177,36 @@ def test_every_command_is_a_respool_command() -> None:
         _parser().parse_args(command)
 
 
+def _env_sources() -> list[dict[str, Any]]:
+    """The ConfigMaps and Secrets some pod takes its environment from (envFrom)."""
+    resources = _kubernetes()
+    names = {
+        (kind, source[key]["name"])
+        for _, spec in _pod_specs()
+        for container in spec["containers"]
+        for source in container.get("envFrom", [])
+        for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret"))
+        if key in source
+    }
+    return [resources[name] for name in sorted(names)]
+
+
 def test_every_respool_variable_is_a_setting() -> None:
     """Every RESPOOL_* variable the files set names a setting (a misspelt one would be ignored)."""
     known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
-    names = {name for name in _compose()["x-respool"]["environment"] if name.startswith("RESPOOL_")}
-    for (kind, _), resource in _kubernetes().items():
-        if kind in ("ConfigMap", "Secret"):
-            names |= set(resource.get("data") or {}) | set(resource.get("stringData") or {})
+    services = _compose()["services"]
+    names = {
+        name
+        for service in ("x-respool", "api", "worker")
+        for name in (_compose()["x-respool"] if service == "x-respool" else services[service])["environment"]
+        if name.startswith("RESPOOL_")
+    }
+    for resource in _env_sources():
+        names |= {
+            name
+            for name in set(resource.get("data") or {}) | set(resource.get("stringData") or {})
+            if name.startswith("RESPOOL_")
+        }
     assert names
     assert names <= known, names - known
 
@@ -197,6 +221,7 @@ def test_kubernetes_release_selector_picks_the_migration_and_its_settings() -> N
     }
     assert picked == {
         ("ConfigMap", "respool"),
+        ("ConfigMap", "respool-models"),
         ("Secret", "respool"),
         ("Secret", "respool-upstream"),
         ("Job", "respool-migrate"),
@@ -242,3 +267,126 @@ def test_kubernetes_pods_run_unprivileged_without_service_links() -> None:
         assert spec["enableServiceLinks"] is False, name
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["securityContext"]["runAsUser"] == 10001, name
+
+
+# --- what a live compose stack showed (issue 15) ----------------------------------------------------
+
+LONG_RUNNING = ["redis", "postgres", "api", "worker", "proxy", "vllm", "ollama"]
+
+
+def _readme_settings() -> set[str]:
+    """The RESPOOL_* names in the first cell of the README's configuration table's rows."""
+    rows = re.findall(r"^\| (`RESPOOL_[^|]*)\|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    return {name for cell in rows for name in re.findall(r"`(RESPOOL_[A-Z_]+)`", cell)}
+
+
+def test_postgres_is_healthy_only_once_it_listens_on_tcp() -> None:
+    """The health check asks over TCP: the image's first-start server listens on the socket only, and
+    `migrate` (which also waits by itself) would meet a refused connection."""
+    test = _compose()["services"]["postgres"]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "pg_isready"]
+    assert test[test.index("-h") + 1] == "127.0.0.1"
+    assert Settings.model_fields["database_wait_seconds"].default >= 60
+
+
+def test_every_container_keeps_bounded_logs() -> None:
+    """Every service logs to rotated json-file logs of bounded size."""
+    for name, service in _compose()["services"].items():
+        logging = service["logging"]
+        assert logging["driver"] == "json-file", name
+        assert (
+            _seconds_or_size(logging["options"]["max-size"]) and int(logging["options"]["max-file"]) >= 1
+        ), name
+
+
+def _seconds_or_size(size: str) -> bool:
+    return bool(re.fullmatch(r"\d+[kmg]", size))
+
+
+def test_every_readme_setting_reaches_the_containers() -> None:
+    """Every setting of the README's table is a setting, and reaches every respool container without
+    editing a file: through respool.env in compose (an env_file, optional), through the `respool`
+    ConfigMap or Secret in Kubernetes; the README says so."""
+    documented = _readme_settings()
+    known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
+    assert len(documented) > 30
+    assert documented <= known, documented - known
+    services = _compose()["services"]
+    for name in RESPOOL_SERVICES:
+        files = services[name]["env_file"]
+        assert {"path": "respool.env", "required": False} in files, name
+    assert {"path": "upstream.env", "required": False} in services["worker"]["env_file"]
+    for name, spec in _pod_specs():
+        (container,) = spec["containers"]
+        assert {"configMapRef": {"name": "respool"}} in container["envFrom"], name
+    readme = (ROOT / "README.md").read_text()
+    assert "respool.env" in readme and "upstream.env" in readme
+
+
+def test_respool_toml_is_mounted_where_respool_config_says() -> None:
+    """compose mounts a respool.toml (RESPOOL_TOML, else deploy/respool.toml) at RESPOOL_CONFIG; the
+    Kubernetes pods that route mount the respool-models ConfigMap there; both defaults load."""
+    compose = _compose()
+    target = compose["x-respool"]["environment"]["RESPOOL_CONFIG"]
+    for name in RESPOOL_SERVICES:
+        assert {"source": "respool-toml", "target": target} in compose["services"][name]["configs"], name
+    assert compose["configs"]["respool-toml"]["file"] == "${RESPOOL_TOML:-./deploy/respool.toml}"
+    assert load_routes(Settings(config=ROOT / "deploy" / "respool.toml")).listed()[0].model == "synthetic"
+    resources = _kubernetes()
+    config_path = Path(resources["ConfigMap", "respool"]["data"]["RESPOOL_CONFIG"])
+    toml = resources["ConfigMap", "respool-models"]["data"][config_path.name]
+    for name in ("respool-api", "respool-worker"):
+        spec = resources["Deployment", name]["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config_path.parent)]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "respool-models", name
+    assert tomllib.loads(toml).get("models", {}) == {}
+
+
+def test_the_api_believes_its_proxy() -> None:
+    """Behind nginx (compose) or an Ingress (Kubernetes) the API believes X-Forwarded-For."""
+    assert _compose()["services"]["api"]["environment"]["RESPOOL_FORWARDED_ALLOW_IPS"] == "*"
+    assert _kubernetes()["ConfigMap", "respool"]["data"]["RESPOOL_FORWARDED_ALLOW_IPS"] == "*"
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;" in nginx
+
+
+def test_nginx_gives_up_on_a_silent_replica_quickly() -> None:
+    """A replica being replaced costs a request 2 s at most before nginx tries another (not 60 s)."""
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert "proxy_connect_timeout 2s;" in nginx
+    assert "proxy_next_upstream error timeout;" in nginx
+
+
+def test_the_image_builds_without_fetching_a_frontend() -> None:
+    """No `# syntax=` line (it fetches a BuildKit frontend from a registry); the README says BuildKit is needed."""
+    assert not re.search(r"^#\s*syntax=", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE)
+    assert "BuildKit" in (ROOT / "README.md").read_text()
+
+
+def test_upstream_profiles_pin_their_images_and_serve_the_model_positionally() -> None:
+    """vLLM's image runs `vllm serve`, which takes the model positionally (its --model is deprecated);
+    every image tag is pinned, never `latest`."""
+    services = _compose()["services"]
+    assert "--model" not in services["vllm"]["command"]
+    assert services["vllm"]["command"] == ["${VLLM_MODEL:-Qwen/Qwen2.5-1.5B-Instruct}"]
+    for name, service in services.items():
+        if "build" in service:  # respool's own image, built here
+            continue
+        image = service.get("image", "")
+        tag = image.rpartition(":")[2].rstrip("}")
+        assert ":" in image and "latest" not in tag, (name, image)
+
+
+def test_long_running_services_restart_and_the_readme_says_what_restarts_them() -> None:
+    """Every long-running service restarts after a crash or an out-of-memory kill (`unless-stopped`);
+    the README says what a deliberate `docker kill` does (nothing restarts it) and how to update the
+    API without a gap."""
+    services = _compose()["services"]
+    assert {name: services[name]["restart"] for name in LONG_RUNNING} == dict.fromkeys(
+        LONG_RUNNING, "unless-stopped"
+    )
+    readme = (ROOT / "README.md").read_text()
+    for words in ("docker kill", "Compose v2", "--no-recreate --scale api=4"):
+        assert words in readme, words

@@ -6,6 +6,7 @@ import contextvars
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,24 @@ def test_a_record_out_of_context_has_no_ids_and_keeps_its_traceback() -> None:
     assert "ValueError: boom" in line["exception"]
 
 
+LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", *logs.CHATTY)
+
+
+@pytest.fixture
+def configured() -> Iterator[None]:
+    """Logging as a test configures it, and as pytest had it again afterwards."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    loggers = {name: logging.getLogger(name) for name in LOGGERS}
+    states = {name: (logger.filters[:], logger.level) for name, logger in loggers.items()}
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    for name, logger in loggers.items():
+        logger.filters[:] = states[name][0]
+        logger.setLevel(states[name][1])
+
+
 @pytest.mark.parametrize(
     ("level", "shown", "hidden"),
     [
@@ -62,44 +81,48 @@ def test_a_record_out_of_context_has_no_ids_and_keeps_its_traceback() -> None:
         ("warning", [], ["respool.worker", "uvicorn.access", "rq.worker"]),
     ],
 )
+@pytest.mark.usefixtures("configured")
 def test_the_level_decides_whose_info_lines_are_shown(
     level: str, shown: list[str], hidden: list[str]
 ) -> None:
     """At `info` respool's and uvicorn's INFO lines show and RQ's and Alembic's routine ones do not;
     `debug` shows those too; `warning` shows no INFO line at all."""
-    root = logging.getLogger()
-    handlers, root_level = root.handlers[:], root.level
-    try:
-        logs.configure("text", level)
-        for name in shown:
-            assert logging.getLogger(name).isEnabledFor(logging.INFO), name
-        for name in hidden:
-            assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
-    finally:  # as pytest had it
-        root.handlers[:] = handlers
-        root.setLevel(root_level)
-        for name in logs.CHATTY:
-            logging.getLogger(name).setLevel(logging.NOTSET)
+    logs.configure("text", level)
+    for name in shown:
+        assert logging.getLogger(name).isEnabledFor(logging.INFO), name
+    for name in hidden:
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
 
 
+def _access_line(path: str) -> logging.LogRecord:
+    """uvicorn's access-log record of a GET of `path`."""
+    args = ("10.0.0.9:5000", "GET", path, "1.1", 200)
+    return logging.getLogger("uvicorn.access").makeRecord(
+        "uvicorn.access", logging.INFO, "f", 1, '%s - "%s %s HTTP/%s" %d', args, None
+    )
+
+
+@pytest.mark.usefixtures("configured")
 def test_uvicorns_false_alarm_after_a_refused_websocket_is_dropped() -> None:
     """uvicorn's "returned without completing handshake" after our 426 is not logged; its other errors are."""
+    logs.configure("text", "info")
     uvicorn_error = logging.getLogger("uvicorn.error")
-    root = logging.getLogger()
-    handlers, root_level, filters = root.handlers[:], root.level, uvicorn_error.filters[:]
-    try:
-        logs.configure("text", "info")
-        message = "ASGI callable returned without completing handshake."
-        false_alarm = uvicorn_error.makeRecord("uvicorn.error", logging.ERROR, "f", 1, message, (), None)
-        real = uvicorn_error.makeRecord(
-            "uvicorn.error", logging.ERROR, "f", 1, "Exception in ASGI app", (), None
-        )
-        assert not uvicorn_error.filter(false_alarm)
-        assert uvicorn_error.filter(real)
-    finally:  # as pytest had it
-        root.handlers[:] = handlers
-        root.setLevel(root_level)
-        uvicorn_error.filters[:] = filters
+    message = "ASGI callable returned without completing handshake."
+    false_alarm = uvicorn_error.makeRecord("uvicorn.error", logging.ERROR, "f", 1, message, (), None)
+    real = uvicorn_error.makeRecord("uvicorn.error", logging.ERROR, "f", 1, "Exception in ASGI app", (), None)
+    assert not uvicorn_error.filter(false_alarm)
+    assert uvicorn_error.filter(real)
+
+
+@pytest.mark.usefixtures("configured")
+@pytest.mark.parametrize(("level", "is_probe_shown"), [("info", False), ("debug", True)])
+def test_probe_lines_are_shown_only_at_debug(level: str, is_probe_shown: bool) -> None:
+    """Health checks and metric scrapes leave no access-log line at the default level; requests do."""
+    logs.configure("text", level)
+    access = logging.getLogger("uvicorn.access")
+    for probe in ("/healthz", "/readyz", "/metrics", "/healthz?verbose=1"):
+        assert bool(access.filter(_access_line(probe))) is is_probe_shown, probe
+    assert access.filter(_access_line("/v1/responses/resp_1"))
 
 
 @pytest.mark.integration
