@@ -15,7 +15,7 @@ from api.encoding import JSONAnswer
 from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
 from api.routes import router, websockets
-from worker.service import ResponseService
+from worker.service.responses import ResponseService
 from worker.settings import Settings
 
 log = logging.getLogger("respool.api")

@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings)
             )
     elif args.command == "worker":
-        from worker.process import run_worker
+        from worker.runner.worker import run_worker
 
         run_worker(settings, settings.concurrency)
 
@@ -117,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def run_migrate(settings: Settings) -> int:
     """`respool migrate`: the schema to its newest revision, once Postgres answers (within
     RESPOOL_DATABASE_WAIT_SECONDS); 1, saying why, if it never does."""
-    from worker.migrate import migrate
-    from worker.store import is_unreachable
+    from worker.postgres.migrate import migrate
+    from worker.postgres.store import is_unreachable
 
     try:
         migrate(settings.database_url, settings.database_wait_seconds)
@@ -187,10 +187,10 @@ def _require_servers(settings: Settings) -> None:
 
 def up(settings: Settings) -> int:
     """Start what is missing (embedded Redis and Postgres), migrate, then the API and the workers,
-    each started again whenever it exits (worker.supervisor); the embedded servers are watched."""
-    from worker.embedded import EmbeddedPostgres, EmbeddedRedis
-    from worker.migrate import migrate
-    from worker.supervisor import Supervisor
+    each started again whenever it exits (api.up.supervisor); the embedded servers are watched."""
+    from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
+    from api.up.supervisor import Supervisor
+    from worker.postgres.migrate import migrate
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     started: list[EmbeddedRedis | EmbeddedPostgres] = []

@@ -21,7 +21,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import BaseModel, TypeAdapter
 
-from worker.request import CreateRequest
+from worker.protocol.request import CreateRequest
 
 _SCHEMAS = "#/components/schemas/"
 _RETRY_AFTER = {

@@ -16,8 +16,8 @@ from api.encoding import JSONAnswer
 from api.errors import committed_error_response
 from api.sse import sse_response, until_disconnected
 from worker.errors import InvalidRequestError, WebSocketNotSupportedError
-from worker.request import RESPONSE_ID_PATTERN, check_no_nul
-from worker.service import ResponseService, Stream
+from worker.protocol.request import RESPONSE_ID_PATTERN, check_no_nul
+from worker.service.responses import ResponseService, Stream
 
 Owner = Annotated[str, Depends(owner)]
 # A response id of any other form is refused with 400 naming `response_id`, before any lookup.

@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from worker.errors import UnavailableError
-from worker.events import Event
+from worker.events.stream import Event
 
 log = logging.getLogger("respool.sse")
 

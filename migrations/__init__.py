@@ -1,1 +1,1 @@
-"""Alembic migrations for respool's Postgres schema; metadata from `worker.models`."""
+"""Alembic migrations for respool's Postgres schema; metadata from `worker.postgres.models`."""

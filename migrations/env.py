@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, engine_from_config, pool
 
-from worker.models import Base
+from worker.postgres.models import Base
 
 config = context.config
 

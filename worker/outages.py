@@ -13,8 +13,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker import store
 from worker.errors import UnavailableError
+from worker.postgres import store
 
 
 @contextlib.asynccontextmanager

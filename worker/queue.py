@@ -15,9 +15,9 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from worker.events import Event, add_events
+from worker.events.stream import Event, add_events
 
-JOB_FUNCTION = "worker.runner.run_job"
+JOB_FUNCTION = "worker.runner.attempt.run_job"
 # A response may stream for a long time; the lease, not RQ's job timeout, bounds a dead worker.
 JOB_TIMEOUT = -1
 RESULT_TTL = 600

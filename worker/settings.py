@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     # A foreground request whose client goes away is cancelled (DESIGN.md §2).
     cancel_on_disconnect: bool = True
 
-    # The upstream call (worker/upstream.py). Faults before any output are retried with backoff and
+    # The upstream call (worker/runner/upstream.py). Faults before any output are retried with backoff and
     # jitter; a tiny backoff (e.g. 0.01) makes them fast in tests. A stall is silence between bytes.
     upstream_retries: int = Field(default=3, ge=0)
     upstream_backoff_seconds: float = Field(default=0.5, ge=0)

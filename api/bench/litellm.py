@@ -53,7 +53,7 @@ from typing import Self
 
 import httpx2
 
-from worker.processes import die_with_parent
+from api.up.processes import die_with_parent
 
 START_SECONDS = 90.0
 STOP_SECONDS = 5.0

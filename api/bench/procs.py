@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx2
 
-from worker.processes import die_with_parent, terminate
+from api.up.processes import die_with_parent, terminate
 
 
 class StartError(RuntimeError):

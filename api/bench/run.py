@@ -110,7 +110,7 @@ def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
     if given is not None:
         yield given
         return
-    from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+    from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
 
     data_dir = Path(tempfile.mkdtemp(prefix="respool-bench-"))
     redis = EmbeddedRedis.start(data_dir)
@@ -126,7 +126,7 @@ def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
 
 
 def _start_respool(children: Children, redis_url: str, database_url: str, upstream_url: str) -> Respool:
-    from worker.migrate import migrate
+    from worker.postgres.migrate import migrate
 
     migrate(database_url)
     env = {

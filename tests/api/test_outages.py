@@ -28,7 +28,7 @@ from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
 from tests.support.stack import Stack, wait_for
 from worker.keys import events_key
-from worker.store import async_url
+from worker.postgres.store import async_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 

@@ -3,7 +3,7 @@
 Owns `Restartable`: both servers on one data dir under /tmp (as root, Postgres runs as another
 user, and pytest resets its own tmp tree to 0700), each stoppable and startable again on the same
 data, at the same URLs, so respool's processes never need to be told anything:
-- Redis comes back on the port it had (worker/embedded.py reuses it when free), with its AOF,
+- Redis comes back on the port it had (api/up/embedded.py reuses it when free), with its AOF,
   unless it is brought back empty;
 - Postgres gets a fresh socket dir at every start, so the URL names a symlink to it instead.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
 
-_POSTGRES_PORT = 5432  # names the socket file only (worker/embedded.py)
+_POSTGRES_PORT = 5432  # names the socket file only (api/up/embedded.py)
 
 
 @dataclass

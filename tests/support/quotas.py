@@ -1,4 +1,4 @@
-"""Looking at per-owner quotas (worker/quota.py) from outside, through Redis, for tests that must
+"""Looking at per-owner quotas (worker/service/quota.py) from outside, through Redis, for tests that must
 not spend an owner's requests on asking."""
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def servers() -> Iterator[Servers]:
         redis_url = os.environ.get("RESPOOL_REDIS_URL", "")
         database_url = os.environ.get("RESPOOL_DATABASE_URL", "")
         if not redis_url or not database_url:
-            from worker.embedded import EmbeddedPostgres, EmbeddedRedis
+            from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
 
             # Not under pytest's tmp dir: as root, Postgres runs as another user, and pytest resets
             # that tree to 0700 whenever another session starts.
@@ -94,7 +94,7 @@ def rows_with_metadata(backing: Servers, marker: str) -> int:
 
 
 def _fresh_database(url: str) -> tuple[str, Callable[[], None]]:
-    from worker.store import async_url
+    from worker.postgres.store import async_url
 
     name = f"respool_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(async_url(url), isolation_level="AUTOCOMMIT", poolclass=NullPool)

@@ -20,7 +20,7 @@ Rules:
 - `finish_reason` `length` => incomplete (`max_output_tokens`), `content_filter` => incomplete
   (`content_filter`), anything else => completed; items still open at the end are closed with
   the outcome's status. A stream with no `finish_reason` never gets here: the upstream call refuses
-  it (`worker.upstream.CHAT_STREAM`)
+  it (`worker.runner.upstream.CHAT_STREAM`)
 - a function call whose arguments are not JSON when the stream ends otherwise `completed`
   (llama-cpp-python says `tool_calls` when `max_tokens` cut the arguments short) => incomplete
   (`max_output_tokens`) if the request set `max_output_tokens` and the usage does not show it

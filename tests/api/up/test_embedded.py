@@ -1,0 +1,238 @@
+"""The embedded Redis and Postgres of `respool up`: real servers in temporary data dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from api.up.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
+from tests.support.processes import is_alive
+
+Server = EmbeddedRedis | EmbeddedPostgres
+MARKER = "survives restarts"
+
+
+def _redis_write(url: str) -> None:
+    with redis.Redis.from_url(url) as client:
+        client.set("marker", MARKER)
+
+
+def _redis_read(url: str) -> str | None:
+    with redis.Redis.from_url(url, decode_responses=True) as client:
+        value: str | None = client.get("marker")
+        return value
+
+
+def _postgres_write(url: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(sa.text("CREATE TABLE marker (value text)"))
+        connection.execute(sa.text("INSERT INTO marker VALUES (:value)"), {"value": MARKER})
+    engine.dispose()
+
+
+def _postgres_read(url: str) -> str | None:
+    engine = sa.create_engine(url)
+    with engine.connect() as connection:
+        value: str | None = connection.execute(sa.text("SELECT value FROM marker")).scalar()
+    engine.dispose()
+    return value
+
+
+@dataclass(frozen=True)
+class Kind:
+    start: Callable[[Path], Server]
+    write: Callable[[str], None]
+    read: Callable[[str], str | None]
+    subdir: str
+
+
+KINDS = [
+    pytest.param(Kind(EmbeddedRedis.start, _redis_write, _redis_read, "redis"), id="redis"),
+    pytest.param(Kind(EmbeddedPostgres.start, _postgres_write, _postgres_read, "postgres"), id="postgres"),
+]
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    """A fresh data dir outside pytest's own temp root.
+
+    As root, postgres runs as another user, which needs search permission on every directory above
+    the data dir; each new pytest session resets pytest's temp root to 0700, so a concurrent
+    session would pull that permission away mid-test.
+    """
+    path = Path(tempfile.mkdtemp(prefix="respool-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Live processes whose working directory is `directory` (both servers chdir into theirs)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(entry / "cwd")) == directory.resolve():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_data_survives_stop_and_start(kind: Kind, data_dir: Path) -> None:
+    """Data written before stop() is there after start() on the same, socket-unfriendly long, data dir."""
+    long_dir = data_dir / ("long-" * 15) / ("path-" * 15)
+    server = kind.start(long_dir)
+    kind.write(server.url)
+    server.stop()
+    assert not is_alive(server.process.pid)
+    assert _processes_in(long_dir / kind.subdir) == []
+
+    again = kind.start(long_dir)
+    try:
+        assert kind.read(again.url) == MARKER
+    finally:
+        again.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_start_after_the_server_was_killed(kind: Kind, data_dir: Path) -> None:
+    """A server SIGKILLed mid-run (stale pidfile, orphaned backends) restarts with its committed data."""
+    killed = kind.start(data_dir)
+    kind.write(killed.url)
+    os.kill(killed.process.pid, signal.SIGKILL)
+    killed.stop()
+
+    again = kind.start(data_dir)
+    try:
+        assert kind.read(again.url) == MARKER
+    finally:
+        again.stop()
+    assert _processes_in(data_dir / kind.subdir) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_start_refuses_a_data_dir_in_use(kind: Kind, data_dir: Path) -> None:
+    """A second start() on a data dir whose server is running fails and leaves that server serving."""
+    running = kind.start(data_dir)
+    try:
+        kind.write(running.url)
+        with pytest.raises(EmbeddedServerError, match="in use"):
+            kind.start(data_dir)
+        assert kind.read(running.url) == MARKER
+    finally:
+        running.stop()
+
+
+def test_redis_keeps_its_url_across_restarts(data_dir: Path) -> None:
+    """Redis comes back on the port it had, so a URL noted down earlier still works."""
+    first = EmbeddedRedis.start(data_dir)
+    first.stop()
+    second = EmbeddedRedis.start(data_dir)
+    second.stop()
+    assert second.url == first.url
+
+
+def test_postgres_is_reachable_only_through_its_socket(data_dir: Path) -> None:
+    """The URL names a private socket dir and the server listens on no TCP address."""
+    server = EmbeddedPostgres.start(data_dir)
+    try:
+        engine = sa.create_engine(server.url)
+        with engine.connect() as connection:
+            listen = connection.execute(sa.text("SHOW listen_addresses")).scalar()
+        engine.dispose()
+        assert listen == ""
+        assert server.socket_dir.stat().st_mode & 0o077 == 0
+    finally:
+        server.stop()
+    assert not server.socket_dir.exists()
+
+
+_PARENT = """
+import json, sys, time
+from pathlib import Path
+from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
+
+servers = [EmbeddedRedis.start(Path(sys.argv[1])), EmbeddedPostgres.start(Path(sys.argv[1]))]
+print(json.dumps([[server.url, server.process.pid] for server in servers]), flush=True)
+time.sleep(60)
+"""
+
+
+def _start_in_a_parent(data_dir: Path) -> tuple[subprocess.Popen[bytes], str, int, str, int]:
+    """A parent process running both servers; it, then Redis's URL and pid, then Postgres's."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(data_dir)], stdout=subprocess.PIPE)
+    assert parent.stdout is not None
+    with parent.stdout:
+        line = parent.stdout.readline()
+    if not line:
+        pytest.fail(f"the parent failed to start the servers (status {parent.wait()})")
+    (redis_url, redis_pid), (postgres_url, postgres_pid) = json.loads(line)
+    return parent, redis_url, redis_pid, postgres_url, postgres_pid
+
+
+def test_servers_stop_when_their_parent_is_killed(data_dir: Path) -> None:
+    """After `kill -9` of their parent both servers exit, then restart with their data and tidy up."""
+    parent, redis_url, redis_pid, postgres_url, postgres_pid = _start_in_a_parent(data_dir)
+    _redis_write(redis_url)
+    _postgres_write(postgres_url)
+
+    parent.kill()
+    parent.wait()
+    assert _wait_until(lambda: not is_alive(redis_pid) and not is_alive(postgres_pid))
+
+    redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
+    try:
+        assert _redis_read(redis_again.url) == MARKER
+        assert _postgres_read(postgres_again.url) == MARKER
+        assert not Path(sa.make_url(postgres_url).query["host"]).exists()  # the old socket dir
+    finally:
+        redis_again.stop()
+        postgres_again.stop()
+
+
+def test_start_stops_servers_that_outlived_their_parent(data_dir: Path) -> None:
+    """Servers still running after their parent died are stopped by the next start(), data intact."""
+    parent, redis_url, redis_pid, postgres_url, postgres_pid = _start_in_a_parent(data_dir)
+    _redis_write(redis_url)
+    _postgres_write(postgres_url)
+    # Suspended, they cannot act on the kernel's parent-death signal: leftovers, as without Linux.
+    os.kill(redis_pid, signal.SIGSTOP)
+    os.kill(postgres_pid, signal.SIGSTOP)
+    parent.kill()
+    parent.wait()
+    assert is_alive(redis_pid)
+    assert is_alive(postgres_pid)
+
+    redis_again, postgres_again = EmbeddedRedis.start(data_dir), EmbeddedPostgres.start(data_dir)
+    try:
+        assert not is_alive(redis_pid)
+        assert not is_alive(postgres_pid)
+        assert _redis_read(redis_again.url) == MARKER
+        assert _postgres_read(postgres_again.url) == MARKER
+    finally:
+        redis_again.stop()
+        postgres_again.stop()

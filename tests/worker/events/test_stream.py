@@ -1,0 +1,166 @@
+"""The event log on a real Redis: fenced appends, and appends after Redis lost its scripts."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import ConnectionPool, Redis
+
+from tests.support.stack import Servers
+from worker.events.lease import Lease, Leases
+from worker.events.stream import (
+    AppendResult,
+    EventLog,
+    FencedOut,
+    StartedOver,
+    connect,
+    encode,
+    expire_response,
+    hiredis_packing,
+    read_events,
+    read_events_observed,
+    start_over,
+)
+from worker.keys import lease_key, observed_key
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis(backing: Servers) -> AsyncIterator[Redis]:
+    client = connect(backing.redis_url, max_connections=4)
+    yield client
+    await client.aclose()
+    await client.connection_pool.disconnect()  # the client does not own a pool it was given
+
+
+def _events(first: int, count: int) -> list[dict[str, object]]:
+    return [{"type": "response.output_text.delta", "delta": f"d{first + index}"} for index in range(count)]
+
+
+async def test_appends_land_in_order_and_a_stale_lease_is_fenced(redis: Redis) -> None:
+    response_id = f"resp_{uuid.uuid4().hex}"
+    leases = Leases(redis, 5)
+    log = EventLog(redis)
+    first = await leases.acquire(response_id, "a")
+    assert first is not None
+    events = [encode(event, index) for index, event in enumerate(_events(0, 3))]
+    assert await log.append(first, events) is AppendResult.OK
+    await leases.release(first)
+    second = await leases.acquire(response_id, "b")
+    assert second is not None
+    assert await log.append(first, [encode(_events(3, 1)[0], 3)]) is AppendResult.FENCED
+    assert [event.sequence_number for event in await read_events(redis, response_id)] == [0, 1, 2]
+
+
+async def test_an_append_after_redis_forgot_its_scripts_lands_once(redis: Redis) -> None:
+    """Appends send EVALSHA alone (no SCRIPT EXISTS each time); a NOSCRIPT reply (Redis restarted,
+    or SCRIPT FLUSH) loads the script and sends just those appends again."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await Leases(redis, 5).acquire(response_id, "a")
+    assert lease is not None
+    log = EventLog(redis)
+    assert await log.append(lease, [encode(_events(0, 1)[0], 0)]) is AppendResult.OK
+    await redis.script_flush()
+    assert (
+        await log.append(lease, [encode(event, 1 + i) for i, event in enumerate(_events(1, 2))])
+        is AppendResult.OK
+    )
+    stored = await read_events(redis, response_id)
+    assert [event.payload()["delta"] for event in stored] == ["d0", "d1", "d2"]
+
+
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("redis://127.0.0.1:6379/0", "Connection"),
+        ("unix:///tmp/redis.sock", "UnixDomainSocketConnection"),
+        ("rediss://127.0.0.1:6379/0", "SSLConnection"),
+    ],
+)
+def test_hiredis_packing_keeps_the_connection_kind_and_packs_as_redis_py_does(url: str, base: str) -> None:
+    """hiredis packs every argument kind exactly as redis-py's own Python packer would."""
+    pool = hiredis_packing(ConnectionPool.from_url(url))
+    assert pool.connection_class.__mro__[2].__name__ == base
+    assert hiredis_packing(pool).connection_class is pool.connection_class  # once only
+    ours = pool.make_connection()
+    theirs = pool.connection_class.__mro__[2](**pool.connection_kwargs)
+    for args in (
+        ("XADD", "key", "0-1", "t", "response.created", "d", b'{"a":"\xc3\xa9"}'),
+        ("CONFIG GET", "maxmemory"),
+        ("EVALSHA", "f" * 40, 3, "a", "b", "c", 1.5, "é"),
+    ):
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+
+
+async def _stream_of(redis: Redis, response_id: str, kinds: list[str], lease_holder: str = "a") -> Lease:
+    """A response's stream holding one event of each of `kinds`, appended under a lease it returns."""
+    lease = await Leases(redis, 5).acquire(response_id, lease_holder)
+    assert lease is not None
+    events = [encode({"type": kind}, number) for number, kind in enumerate(kinds)]
+    assert await EventLog(redis).append(lease, events) is AppendResult.OK
+    return lease
+
+
+LIFECYCLE = ["response.created", "response.queued", "response.in_progress"]
+OUTPUT = ["response.output_item.added", "response.output_text.delta", "response.output_text.delta"]
+
+
+async def test_a_start_over_keeps_the_lifecycle_events_and_drops_the_output(redis: Redis) -> None:
+    """Unobserved, a start over leaves created/queued/in_progress, and the next appends number on from them."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    started = await start_over(redis, lease)
+    assert started == StartedOver(3, "response.in_progress")
+    assert [event.type for event in await read_events(redis, response_id)] == LIFECYCLE
+    again = [encode({"type": "response.output_item.added"}, 3)]
+    assert await EventLog(redis).append(lease, again) is AppendResult.OK
+    assert [event.sequence_number for event in await read_events(redis, response_id)] == [0, 1, 2, 3]
+
+
+async def test_a_foreground_start_over_keeps_what_it_had(redis: Redis) -> None:
+    """A foreground stream (no `queued`) keeps created and in_progress; one that had only created keeps that."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, ["response.created", "response.in_progress", *OUTPUT])
+    assert await start_over(redis, lease) == StartedOver(2, "response.in_progress")
+
+
+async def test_a_relay_read_marks_the_response_observed_and_a_start_over_then_changes_nothing(
+    redis: Redis,
+) -> None:
+    """Once a relay has read the stream, a start over refuses and the stream stays as told."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    read = await read_events_observed(redis, response_id, 1, count=2)
+    assert [event.sequence_number for event in read] == [2, 3]
+    assert read[0].payload() == {"type": "response.in_progress", "sequence_number": 2}
+    assert await start_over(redis, lease) is None
+    assert len(await read_events(redis, response_id)) == 6
+
+
+async def test_a_start_over_under_a_lost_lease_is_fenced(redis: Redis) -> None:
+    """Only the holder of the response's lease may start its stream over."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
+    await redis.delete(lease_key(response_id))
+    with pytest.raises(FencedOut):
+        await start_over(redis, lease)
+    assert len(await read_events(redis, response_id)) == 6
+
+
+async def test_reading_an_expired_stream_leaves_no_mark(redis: Redis) -> None:
+    """A read of a stream that is gone sets nothing (no key without an expiry is left behind)."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    assert await read_events_observed(redis, response_id) == []
+    assert not await redis.exists(observed_key(response_id))
+
+
+async def test_the_mark_expires_with_a_finished_stream(redis: Redis) -> None:
+    """The observed mark takes the stream's expiry, set with it when the response ends or later."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    await _stream_of(redis, response_id, LIFECYCLE)
+    await expire_response(redis, response_id, 100)
+    await read_events_observed(redis, response_id)
+    assert 0 < await redis.ttl(observed_key(response_id)) <= 100

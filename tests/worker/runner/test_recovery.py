@@ -1,0 +1,242 @@
+"""Workers that die, freeze or stop under load: every response still ends exactly once (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+from redis import Redis
+
+from tests.conftest import make_sdk, own_stack
+from tests.support.faults import (
+    CONT,
+    KILL,
+    STOP,
+    check_ended,
+    lease_holders,
+    signal_process,
+    wait_until_ended,
+    worker_name,
+)
+from tests.support.stack import Servers, Stack, wait_for
+from tests.support.upstream_process import ScriptedUpstream
+from worker.keys import events_key
+from worker.runner.attempt import WORKER_LOST
+from worker.runner.recovery import GIVEN_UP
+
+# Each test starts and kills several processes: on a loaded 2-core machine that takes a while.
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def faults(backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack) -> Iterator[Stack]:
+    """An API of this module's own; each test starts the workers it kills."""
+    running = own_stack(
+        backing,
+        session_dir,
+        "faults",
+        RESPOOL_UPSTREAM_URL=upstream.url,
+        RESPOOL_UPSTREAM_API="chat",
+        RESPOOL_DRAIN_SECONDS="60",
+    )
+    running.start_api()
+    yield running
+    running.stop_all()
+
+
+@dataclass
+class Lab:
+    """What a fault test drives: the module's stack, the SDK, the upstream, Redis, its own workers."""
+
+    stack: Stack
+    sdk: openai.OpenAI
+    upstream: ScriptedUpstream
+    redis: Redis
+    model: str
+    workers: list[str] = field(default_factory=list)
+
+    def start(self, name: str) -> str:
+        """Start a worker and wait until it takes jobs (and a SIGTERM would drain it); its RQ name."""
+        self.stack.start_worker(name)
+        self.workers.append(name)
+        wait_for(lambda: "ready: taking responses" in self.stack.log(name), timeout=60, what=f"{name} ready")
+        return worker_name(self.redis, self.stack, name)
+
+    def create(
+        self, model: str, count: int, sdk: openai.OpenAI | None = None, *, seen: bool = False
+    ) -> list[str]:
+        """`count` background responses; `seen` ones are streamed to a client from their start (which
+        stops reading at once), the rest are only polled: nobody sees their output until they end."""
+        client = sdk or self.sdk
+        if not seen:
+            return [client.responses.create(model=model, input="x", background=True).id for _ in range(count)]
+        created = []
+        for _ in range(count):
+            with client.responses.create(model=model, input="x", background=True, stream=True) as stream:
+                created.append(next(iter(stream)).response.id)
+        return created
+
+    def held_by(self, response_ids: list[str], holder: str) -> None:
+        """Wait until `holder` holds every one of the responses."""
+        wait_for(
+            lambda: set(lease_holders(self.redis, response_ids).values()) == {holder},
+            timeout=60,
+            what=f"{len(response_ids)} leases",
+        )
+
+    def streamed(self, response_ids: list[str]) -> None:
+        """Wait until every one of the responses has streamed output to clients."""
+        wait_for(lambda: all(_has_output(self.redis, rid) for rid in response_ids), timeout=30, what="output")
+
+
+@pytest.fixture
+def lab(faults: Stack, upstream: ScriptedUpstream, backing: Servers, model: str) -> Iterator[Lab]:
+    with make_sdk(faults.url, "unused") as sdk, Redis.from_url(backing.redis_url) as redis:
+        running = Lab(faults, sdk, upstream, redis, model)
+        yield running
+        for name in running.workers:
+            if name in faults.processes:
+                faults.stop(name, KILL)
+
+
+def _has_output(redis: Redis, response_id: str) -> bool:
+    return any(fields[b"t"].endswith(b".delta") for _, fields in redis.xrange(events_key(response_id)))
+
+
+def test_kill_9_with_100_responses_in_flight(lab: Lab) -> None:
+    """A worker killed with 100 responses: those with no output yet, and those whose output no client
+    has seen, run again to completion; those whose output a client saw fail saying the worker stopped;
+    none stays live, every stream stays whole and tells only the run that counted."""
+    quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
+    text = " ".join(f"w{n}" for n in range(100))
+    # The first run of each quiet response never gets an answer; the second does at once.
+    lab.upstream.script(
+        quiet, {"times": 50, "first_delay": 300, "text": "never", "then": {"text": "quiet answer"}}
+    )
+    lab.upstream.script(talking, {"text": text, "delay": 0.1})
+    doomed = lab.start("doomed")
+    quiet_ids = lab.create(quiet, 50)
+    seen_ids, unseen_ids = lab.create(talking, 25, seen=True), lab.create(talking, 25)
+    every = quiet_ids + seen_ids + unseen_ids
+    lab.held_by(every, doomed)
+    lab.streamed(seen_ids + unseen_ids)
+    lab.start("survivor")
+    killed_at = time.monotonic()
+    signal_process(lab.stack, "doomed", KILL)
+    statuses = wait_until_ended(lab.sdk, every, timeout=120)
+    print(f"kill -9: 100 responses ended {time.monotonic() - killed_at:.1f} s after the kill")
+    assert {statuses[rid] for rid in quiet_ids + unseen_ids} == {"completed"}
+    assert {statuses[rid] for rid in seen_ids} == {"failed"}
+    for response_id in every:
+        stored = check_ended(lab.sdk, response_id)
+        if response_id in seen_ids:
+            assert stored["error"] == {"code": "server_error", "message": WORKER_LOST, "type": "server_error"}
+            # What had been streamed is kept, closed as incomplete: the stream and the record agree.
+            (message,) = stored["output"]
+            assert message["status"] == "incomplete"
+            assert text.startswith(message["content"][0]["text"])
+        elif response_id in unseen_ids:
+            # The dead run's output is gone from the stream: one message, the whole text, once.
+            events = list(lab.sdk.responses.retrieve(response_id, stream=True))
+            added = [event for event in events if event.type == "response.output_item.added"]
+            deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+            assert (len(added), deltas) == (1, text)
+            assert stored["output"][0]["content"][0]["text"] == text
+        else:
+            assert stored["output"][0]["content"][0]["text"] == "quiet answer"
+    assert len(lab.upstream.requests(quiet)) == 100  # each quiet response was asked for exactly twice
+    assert len(lab.upstream.requests(talking)) == 75  # the unseen ones twice, the seen ones once
+
+
+def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab: Lab) -> None:
+    """SIGSTOP past the lease, takeover, SIGCONT: the zombie's later output is fenced out everywhere."""
+    quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
+    lab.upstream.script(
+        quiet, {"times": 10, "first_delay": 20, "text": "late", "then": {"text": "quiet answer"}}
+    )
+    lab.upstream.script(talking, {"text": " ".join(f"w{n}" for n in range(60)), "delay": 0.1})
+    frozen = lab.start("frozen")
+    quiet_ids, talking_ids = lab.create(quiet, 10), lab.create(talking, 10, seen=True)
+    every = quiet_ids + talking_ids
+    lab.held_by(every, frozen)
+    lab.streamed(talking_ids)
+    signal_process(lab.stack, "frozen", STOP)
+    try:
+        lab.start("rescuer")
+        statuses = wait_until_ended(lab.sdk, every, timeout=120)
+    finally:
+        signal_process(lab.stack, "frozen", CONT)
+    ended = {rid: check_ended(lab.sdk, rid) for rid in every}
+    # The zombie wakes with upstream streams still open; it must notice its leases are gone.
+    wait_for(lambda: "lease lost" in lab.stack.log("frozen"), timeout=30, what="the zombie to notice")
+    for response_id in every:
+        assert check_ended(lab.sdk, response_id) == ended[response_id]  # unchanged after the zombie woke
+    assert {statuses[rid] for rid in quiet_ids} == {"completed"}
+    assert {statuses[rid] for rid in talking_ids} == {"failed"}
+    fresh = lab.create(quiet, 1)  # the woken worker (or the rescuer) still serves new work
+    assert wait_until_ended(lab.sdk, fresh, timeout=60) == {fresh[0]: "completed"}
+
+
+def test_rolling_restart_fails_no_response(lab: Lab) -> None:
+    """SIGTERM one worker after another under load: each drains what it runs, and every response completes."""
+    lab.upstream.script(lab.model, {"text": " ".join(f"w{n}" for n in range(20)), "delay": 0.1})
+    lab.start("old-1")
+    lab.start("old-2")
+    created = lab.create(lab.model, 30)
+    leased = lambda: sum(1 for holder in lease_holders(lab.redis, created).values() if holder) >= 10  # noqa: E731
+    wait_for(leased, timeout=60, what="load")
+    lab.start("new-1")
+    assert lab.stack.stop("old-1") == 0
+    created += lab.create(lab.model, 10)
+    lab.start("new-2")
+    assert lab.stack.stop("old-2") == 0
+    created += lab.create(lab.model, 10)
+    statuses = wait_until_ended(lab.sdk, created, timeout=120)
+    assert set(statuses.values()) == {"completed"}
+    for response_id in created:
+        check_ended(lab.sdk, response_id)
+
+
+def test_a_drain_deadline_requeues_what_is_left(lab: Lab) -> None:
+    """Past the drain deadline a stopping worker puts responses without output back in the queue; another runs them."""
+    lab.upstream.script(
+        lab.model, {"times": 5, "first_delay": 300, "text": "never", "then": {"text": "late answer"}}
+    )
+    lab.stack.env["RESPOOL_DRAIN_SECONDS"] = "1"
+    try:
+        stopping = lab.start("stopping")
+    finally:
+        lab.stack.env["RESPOOL_DRAIN_SECONDS"] = "60"
+    created = lab.create(lab.model, 5)
+    lab.held_by(created, stopping)
+    assert lab.stack.stop("stopping") == 0
+    assert "requeued for another worker" in lab.stack.log("stopping")
+    lab.start("next")
+    statuses = wait_until_ended(lab.sdk, created, timeout=60)
+    assert set(statuses.values()) == {"completed"}
+    for response_id in created:
+        check_ended(lab.sdk, response_id)
+
+
+def test_a_response_whose_workers_keep_dying_is_given_up(lab: Lab) -> None:
+    """After max_attempts workers died under it, the sweep ends the response failed instead of leaving it live."""
+    lab.upstream.script(lab.model, {"first_delay": 300, "text": "never"})
+    lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "1"  # read where the job is enqueued: by an API of its own
+    try:
+        url = lab.stack.start_api("api-one-attempt")
+    finally:
+        lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "3"
+    lab.workers.append("api-one-attempt")
+    with make_sdk(url, "unused") as once:
+        created = lab.create(lab.model, 1, once)
+    victim = lab.start("victim")
+    lab.held_by(created, victim)
+    signal_process(lab.stack, "victim", KILL)
+    lab.start("sweeper")
+    assert wait_until_ended(lab.sdk, created, timeout=90) == {created[0]: "failed"}
+    stored = check_ended(lab.sdk, created[0])
+    assert stored["error"]["message"] == GIVEN_UP

@@ -1,0 +1,153 @@
+"""The sweep (worker/runner/recovery.py) on real Redis and Postgres: every in-progress row is looked at in
+each sweep, so an orphan is ended even behind many held ones; queued rows, a backlog of any depth,
+are paged through a bounded number of pages per sweep, from where the last sweep stopped, starting
+over after the newest.
+
+On a database of its own: the session's database has other stacks' workers sweeping it, which
+would end the orphans first (and the counts these tests assert would be theirs)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis import Redis
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
+
+from tests.support.stack import Servers, _fresh_database
+from worker.postgres.migrate import migrate
+from worker.postgres.store import async_url
+from worker.queue import job_statuses, response_queue
+from worker.runner.recovery import end_orphans
+from worker.runner.runtime import close_runtime, open_runtime
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+HELD = 5
+
+
+@pytest.fixture
+def database(backing: Servers) -> Iterator[str]:
+    url, drop = _fresh_database(backing.database_url)
+    migrate(url)
+    yield url
+    drop()
+
+
+@pytest.fixture
+def settings(backing: Servers, database: str) -> Settings:
+    return Settings(
+        redis_url=backing.redis_url, database_url=database, queue=f"respool-sweep-{uuid.uuid4().hex[:8]}"
+    )
+
+
+@pytest.fixture
+def held(backing: Servers, settings: Settings) -> Iterator[list[str]]:
+    """HELD response ids whose jobs RQ holds (queued: it will run them)."""
+    ids = [f"resp_{settings.queue.replace('-', '')}held{index}" for index in range(HELD)]
+    with Redis.from_url(backing.redis_url) as connection:
+        jobs = [
+            Job.create(
+                "builtins.print",
+                id=response_id,
+                connection=connection,
+                serializer=JSONSerializer,
+                status=JobStatus.QUEUED,
+            )
+            for response_id in ids
+        ]
+        for job in jobs:
+            job.save()
+        yield ids
+        for job in jobs:
+            job.delete()
+
+
+def _insert_live(database_url: str, status: str, response_ids: list[str], oldest: int = 120) -> None:
+    """Rows in `status` created `oldest` seconds ago and after (past the sweep's grace), in this order."""
+    engine = create_engine(async_url(database_url), poolclass=NullPool)
+    with engine.begin() as conn:
+        for age, response_id in enumerate(response_ids):
+            conn.execute(
+                text(
+                    "INSERT INTO response (id, owner, status, model, background, store, stream, request, "
+                    "conversation, response, created_at) VALUES (:id, 'sweep', :status, 'm', true, true, "
+                    "false, '{}', '[]', :response, now() - make_interval(secs => :oldest - :age))"
+                ),
+                {
+                    "id": response_id,
+                    "status": status,
+                    "age": age,
+                    "oldest": oldest,
+                    "response": f'{{"id": "{response_id}", "status": "{status}"}}',
+                },
+            )
+
+
+def _statuses(database_url: str, response_ids: list[str]) -> dict[str, str]:
+    engine = create_engine(async_url(database_url), poolclass=NullPool)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, status FROM response WHERE id = ANY(:ids)"), {"ids": response_ids}
+        )
+        return {row.id: row.status for row in rows}
+
+
+async def _sweep(backing: Servers, settings: Settings, pages: int) -> int:
+    """One pass of end_orphans in pages of 2; the number it ended."""
+    with Redis.from_url(backing.redis_url) as connection:
+        queue = response_queue(connection, settings.queue)
+        rt = await open_runtime(settings, f"test:{settings.queue}", 1)
+        try:
+            return await end_orphans(rt, settings, lambda ids: job_statuses(queue, ids), batch=2, pages=pages)
+        finally:
+            await close_runtime(rt)
+
+
+@pytest.mark.parametrize("status", ["queued", "in_progress"])
+async def test_an_orphan_behind_held_responses_is_ended(
+    backing: Servers, settings: Settings, held: list[str], status: str
+) -> None:
+    """Pages of 2: the 5 oldest rows are held by RQ (left alone); the orphan after them, whose job
+    RQ no longer has, is ended failed in one sweep."""
+    orphan = f"{held[0]}orphan"
+    _insert_live(settings.database_url, status, [*held, orphan])
+    assert await _sweep(backing, settings, pages=4) == 1
+    assert _statuses(settings.database_url, [*held, orphan]) == {
+        **dict.fromkeys(held, status),
+        orphan: "failed",
+    }
+
+
+async def test_each_sweep_reads_a_few_pages_of_queued_rows_on_from_the_last(
+    backing: Servers, settings: Settings, held: list[str]
+) -> None:
+    """One page of 2 queued rows per sweep: the orphan 6th in line is ended by the 3rd sweep, not
+    before; after the newest the next sweep starts over, and finds an orphan older than all."""
+    orphan, older = f"{held[0]}orphan", f"{held[0]}older"
+    _insert_live(settings.database_url, "queued", [*held, orphan])
+    assert [await _sweep(backing, settings, pages=1) for _ in range(3)] == [0, 0, 1]
+    _insert_live(settings.database_url, "queued", [older], oldest=600)
+    assert await _sweep(backing, settings, pages=1) == 0  # past the newest: an empty page
+    assert await _sweep(backing, settings, pages=1) == 1  # from the start again
+    assert _statuses(settings.database_url, [*held, orphan, older]) == {
+        **dict.fromkeys(held, "queued"),
+        orphan: "failed",
+        older: "failed",
+    }
+
+
+async def test_in_progress_orphans_are_all_ended_in_one_sweep_whatever_the_queued_backlog(
+    backing: Servers, settings: Settings, held: list[str]
+) -> None:
+    """A queued backlog read one page at a time does not hold back in-progress orphans."""
+    in_progress = [f"{held[0]}running{index}" for index in range(5)]
+    _insert_live(settings.database_url, "queued", held)
+    _insert_live(settings.database_url, "in_progress", in_progress)
+    assert await _sweep(backing, settings, pages=1) == 5
+    assert _statuses(settings.database_url, in_progress) == dict.fromkeys(in_progress, "failed")

@@ -1,0 +1,301 @@
+"""The event log: one Redis stream per response, appended in order, replayable from any offset.
+
+Entry ids are explicit, `0-<sequence_number + 1>` (Redis rejects `0-0`), so Redis itself refuses an
+append that is not after the last one: a retried or stale write can never duplicate or interleave
+(DESIGN.md §3). Each entry holds the event type (`t`) and the event JSON (`d`), encoded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, cast
+
+import orjson
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+
+from worker.events.lease import Lease
+from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
+from worker.protocol.response import TERMINAL_EVENTS
+
+# KEYS: lease, events, cancel. ARGV: lease value, then (entry id, type, data) triples.
+# Returns -1 when fenced out (the lease is not ours), else whether a cancel was requested.
+_FENCED_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 2, #ARGV, 3 do
+  redis.call('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2])
+end
+return redis.call('EXISTS', KEYS[3])
+"""
+
+# KEYS: events, observed. ARGV: the first entry id to read, how many. A relay's first read: marks the
+# response observed (DESIGN.md §4, "Orphans") in the same step, so no attempt can start its output
+# over between the read and the mark. A stream that is gone (expired, deleted) leaves no mark.
+_OBSERVED_READ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('SET', KEYS[2], '1')
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+end
+return redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+"""
+
+# KEYS: lease, events, observed. ARGV: lease value. A new attempt's start over of an unobserved
+# response: the stream keeps only its leading lifecycle events (created, queued, in_progress) and
+# loses the dead attempt's output. Returns -1 when fenced out, -2 when a relay has read the stream
+# (nothing changes), else {how many events were kept, the type of the last one kept}.
+_START_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
+local head = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 3)
+local kept = {}
+for _, entry in ipairs(head) do
+  local kind = entry[2][2]  -- every XADD writes `t` (the type) first, then `d`
+  if kind ~= 'response.created' and kind ~= 'response.queued' and kind ~= 'response.in_progress' then break end
+  kept[#kept + 1] = entry
+end
+redis.call('DEL', KEYS[2])
+for _, entry in ipairs(kept) do redis.call('XADD', KEYS[2], entry[1], unpack(entry[2])) end
+local last = kept[#kept]
+return {#kept, last and last[2][2] or ''}
+"""
+
+# A stream entry as redis-py returns it: (entry id, fields).
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stored event: its sequence number, type and JSON bytes."""
+
+    sequence_number: int
+    type: str
+    data: bytes
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in TERMINAL_EVENTS
+
+    def payload(self) -> dict[str, Any]:
+        decoded: dict[str, Any] = orjson.loads(self.data)
+        return decoded
+
+
+class AppendResult(IntEnum):
+    FENCED = -1
+    OK = 0
+    CANCEL_REQUESTED = 1
+
+
+def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
+    """A client whose pool makes a burst wait for a free connection instead of failing, and whose
+    every connect and reply gives up after `timeout_seconds`: a hung Redis is an error, not a hang.
+    So never a blocking read (XREAD BLOCK) longer than that: such a read needs a client of its own.
+
+    A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
+    each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
+    """
+    pool = BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=max_connections,
+        timeout=30,
+        socket_connect_timeout=timeout_seconds,
+        socket_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    return Redis(connection_pool=hiredis_packing(pool))
+
+
+class _HiredisPacking:
+    """Commands packed by hiredis (C), as redis-py's sync client already does; its asyncio client
+    packs them in Python, which was a tenth of a worker's CPU under streaming load (py-spy)."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        packed: list[bytes] = self._packer.pack(*args)
+        return packed
+
+
+def hiredis_packing[Pool: ConnectionPool](pool: Pool) -> Pool:
+    """`pool`, its connections (TCP, Unix socket or TLS, as its URL said) packing with hiredis."""
+    base = pool.connection_class
+    if not issubclass(base, _HiredisPacking):
+        pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+    return pool
+
+
+def entry_id(sequence_number: int) -> str:
+    return f"0-{sequence_number + 1}"
+
+
+def sequence_of(entry: bytes | str) -> int:
+    """The sequence number of a stream entry id `0-<seq+1>`."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    return int(text.partition("-")[2]) - 1
+
+
+def encode(event: dict[str, Any], sequence_number: int) -> Event:
+    """Number an event and encode it, once (DESIGN.md §7)."""
+    event["sequence_number"] = sequence_number
+    return Event(sequence_number, event["type"], orjson.dumps(event))
+
+
+def decode_entry(entry_id_: bytes, fields: dict[bytes, bytes]) -> Event:
+    return Event(sequence_of(entry_id_), fields[b"t"].decode(), fields[b"d"])
+
+
+def add_events(pipe: Any, response_id: str, events: list[Event]) -> None:
+    """Queue unfenced XADDs on a (sync or async) pipeline: only for the API's first events (DESIGN.md §3)."""
+    for event in events:
+        pipe.xadd(
+            events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number)
+        )
+
+
+async def read_events(
+    redis: Redis, response_id: str, after: int = -1, count: int | None = None
+) -> list[Event]:
+    """The stored events with `sequence_number > after` (`starting_after`, PROTOCOL.md §6.3)."""
+    start = f"({entry_id(after)}" if after >= 0 else "-"
+    entries = cast(list[Entry], await redis.xrange(events_key(response_id), min=start, max="+", count=count))
+    return [decode_entry(entry_id_, fields) for entry_id_, fields in entries]
+
+
+async def read_events_observed(
+    redis: Redis, response_id: str, after: int = -1, count: int = 1000
+) -> list[Event]:
+    """`read_events`, marking the response observed in the same step (a relay's first read)."""
+    start = f"({entry_id(after)}" if after >= 0 else "-"
+    keys = [events_key(response_id), observed_key(response_id)]
+    entries = await redis.eval(_OBSERVED_READ, 2, *keys, start, count)
+    return [decode_entry(entry[0], _fields(entry[1])) for entry in entries]
+
+
+def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as Lua returns them, `[name, value, ...]`, as redis-py's dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+@dataclass(frozen=True)
+class StartedOver:
+    """What a start over kept: the first `kept` events, the last of them of type `last_type`."""
+
+    kept: int
+    last_type: str | None
+
+
+async def start_over(redis: Redis, lease: Lease) -> StartedOver | None:
+    """Drop the output of the response's earlier attempts from its stream, unless a relay has read it
+    (None then). Raises `FencedOut` unless `lease` still holds."""
+    rid = lease.response_id
+    keys = [lease_key(rid), events_key(rid), observed_key(rid)]
+    result = await redis.eval(_START_OVER, 3, *keys, lease.value)
+    if result == -1:
+        raise FencedOut(rid)
+    if result == -2:
+        return None
+    kept, last_type = result
+    return StartedOver(int(kept), last_type.decode() if last_type else None)
+
+
+class FencedOut(Exception):
+    """Another attempt holds the response now: this one must write nothing more."""
+
+
+async def last_event(redis: Redis, response_id: str) -> Event | None:
+    """The newest event of a response's stream, if any."""
+    entries = cast(list[Entry], await redis.xrevrange(events_key(response_id), max="+", min="-", count=1))
+    return decode_entry(*entries[0]) if entries else None
+
+
+async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
+    """Start the retention clock of a finished response's keys (DESIGN.md §2.7)."""
+    keys = (
+        events_key(response_id),
+        attempt_key(response_id),
+        cancel_key(response_id),
+        observed_key(response_id),
+    )
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.expire(key, seconds)
+        await pipe.execute()
+
+
+class EventLog:
+    """Fenced appends for every response a process holds, batched into one pipeline per round trip.
+
+    No timer: while one pipeline is in flight, appends queue up, and the next round trip takes all
+    of them (DESIGN.md §7, "natural batching").
+    """
+
+    def __init__(self, redis: Redis, on_append: Callable[[int], object] | None = None) -> None:
+        self._redis = redis
+        self._on_append = on_append  # told how many events each successful append added
+        self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
+        self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
+        self._flushing = False
+
+    async def append(self, lease: Lease, events: list[Event]) -> AppendResult:
+        """Append `events` (in order) if `lease` still holds; report a fence or a cancel request."""
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((lease, events, future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch)
+        finally:
+            self._flushing = False
+
+    async def _send(self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]) -> None:
+        try:
+            results = await self._execute(batch)
+            # A Redis that restarted (or flushed its scripts) ran none of those: load it, send them again.
+            missing = [index for index, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missing:
+                await self._redis.script_load(_FENCED_APPEND)
+                again = await self._execute([batch[index] for index in missing])
+                for index, result in zip(missing, again, strict=True):
+                    results[index] = result
+        except Exception as exc:  # the connection failed: every append in the batch did
+            results = [exc] * len(batch)
+        for (_, events, future), result in zip(batch, results, strict=True):
+            # Counted here, where the outcome is known, even if the awaiting task was cancelled meanwhile.
+            if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
+                self._on_append(len(events))
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(AppendResult(int(result)))
+
+    async def _execute(
+        self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]
+    ) -> list[Any]:
+        """One pipeline of EVALSHAs (redis-py's script objects would add a SCRIPT EXISTS round trip
+        to every pipeline); an append that failed is its exception in the list."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for lease, events, _ in batch:
+                args: list[str | bytes] = [lease.value]
+                for event in events:
+                    args += [entry_id(event.sequence_number), event.type, event.data]
+                rid = lease.response_id
+                pipe.evalsha(self._sha, 3, lease_key(rid), events_key(rid), cancel_key(rid), *args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results

@@ -1,0 +1,71 @@
+"""Running the Alembic migrations (`respool migrate`, and `respool up` before it starts anything)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, Engine, create_engine, text
+
+from worker.postgres.store import async_url, is_unreachable
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+# Concurrent `migrate` runs (several replicas starting at once) take turns on this lock.
+LOCK_ID = 0x7265_7370_6F6F_6C
+
+log = logging.getLogger("respool.migrate")
+
+
+def alembic_config(database_url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    # psycopg 3 serves both the async engine and Alembic's sync one under the same URL.
+    config.set_main_option("sqlalchemy.url", async_url(database_url).replace("%", "%%"))
+    return config
+
+
+def migrate(database_url: str, wait_seconds: float = 0.0) -> None:
+    """Bring the schema to the newest revision, waiting up to `wait_seconds` for Postgres to be
+    reachable (a container started beside a database still starting up: compose's first start)."""
+    engine = create_engine(async_url(database_url))
+    with _connect(engine, wait_seconds) as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": LOCK_ID})
+        conn.commit()
+        try:
+            before = _revision(conn)
+            config = alembic_config(database_url)
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            conn.commit()
+            after = _revision(conn)
+            if before == after:
+                log.info("the database schema is up to date (revision %s)", after)
+            else:
+                log.info("migrated the database schema from revision %s to %s", before or "(none)", after)
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": LOCK_ID})
+            conn.commit()
+    engine.dispose()
+
+
+def _connect(engine: Engine, wait_seconds: float) -> Connection:
+    """A connection, tried again with backoff while Postgres is unreachable, for up to `wait_seconds`."""
+    deadline, delay = time.monotonic() + wait_seconds, 0.5
+    while True:
+        try:
+            return engine.connect()
+        except Exception as exc:
+            if not is_unreachable(exc) or time.monotonic() + delay > deadline:
+                raise
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            log.warning("Postgres is not reachable yet (%s); trying again in %.1f s", reason, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+def _revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()

@@ -1,0 +1,92 @@
+"""The Postgres schema (DESIGN.md §5): one `response` table and its `input_item` rows.
+
+Alembic (migrations/) builds its migrations from this metadata.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from worker.protocol.response import LIVE, Status
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+STATUSES = ", ".join(f"'{status}'" for status in Status)
+LIVE_STATUSES = ", ".join(f"'{status}'" for status in LIVE)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class ResponseRow(Base):
+    """A response: the request as received, the conversation it runs on, and its current Response object."""
+
+    __tablename__ = "response"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(Text)
+    background: Mapped[bool]
+    store: Mapped[bool]
+    stream: Mapped[bool]
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    request: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    # Earlier turns (from previous_response_id) then this request's input: what the upstream is sent.
+    conversation: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    # The Response object as it stands: the queued snapshot, then in_progress, then the final one.
+    response: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # How many responses precede this one through previous_response_id (0: none); bounded by
+    # RESPOOL_MAX_CHAIN_DEPTH.
+    chain_depth: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint(f"status IN ({STATUSES})", name="status"),
+        Index(None, "owner", "created_at"),
+        # The sweep looks only at live rows (DESIGN.md §5).
+        Index("ix_response_live", "status", postgresql_where=text(f"status IN ({LIVE_STATUSES})")),
+        # Retention deletes by completion time (DESIGN.md §2.7).
+        Index("ix_response_completed_at", "completed_at", postgresql_where=text("completed_at IS NOT NULL")),
+    )
+
+
+class InputItemRow(Base):
+    """One item of a response's own input, in order; `input_items.list` pages over these."""
+
+    __tablename__ = "input_item"
+
+    response_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("response.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item_id: Mapped[str] = mapped_column(Text)
+    item: Mapped[dict[str, Any]] = mapped_column(JSONB)
+
+    __table_args__ = (Index(None, "response_id", "item_id"),)

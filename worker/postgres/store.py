@@ -1,0 +1,343 @@
+"""The response store in Postgres (DESIGN.md §5). Functions take a connection; they never commit.
+
+Every status change is one compare-and-set `UPDATE … WHERE status IN (…)`, here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import orjson
+from sqlalchemy import bindparam, delete, func, insert, literal_column, select, tuple_, update
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from worker.postgres.models import InputItemRow, ResponseRow
+from worker.protocol.request import CreateRequest
+from worker.protocol.response import LIVE, Status
+
+
+def create_engine(database_url: str, pool_size: int = 10, connect_timeout_seconds: int = 5) -> AsyncEngine:
+    """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver).
+
+    A checkout does not ping first (that was a round trip before every statement): after a Postgres
+    restart, the first statement on a broken connection fails as unreachable, which invalidates
+    every connection the pool holds, and callers retry (the worker) or answer 503 (the API). A
+    connect gives up after `connect_timeout_seconds`. JSON goes through orjson.
+    """
+    return create_async_engine(
+        async_url(database_url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        connect_args={"connect_timeout": connect_timeout_seconds},
+        json_serializer=_dumps,
+        json_deserializer=orjson.loads,
+    )
+
+
+def single_statements(engine: AsyncEngine) -> AsyncEngine:
+    """`engine`, each statement its own transaction (autocommit): for work that is one statement,
+    such as every compare-and-set below, with no BEGIN and COMMIT round trips around it."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def async_url(database_url: str) -> str:
+    """`postgresql://…` → `postgresql+psycopg://…`; a URL that names a driver is kept."""
+    for prefix in ("postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
+    return database_url
+
+
+# Where a live row stands in the sweep's order: (created_at, id).
+type LivePosition = tuple[datetime, str]
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """What the API and the worker read of a response row."""
+
+    id: str
+    owner: str
+    status: Status
+    background: bool
+    store: bool
+    stream: bool
+    request: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    response: dict[str, Any]
+    attempt: int
+    chain_depth: int
+
+
+_COLUMNS = (
+    ResponseRow.id,
+    ResponseRow.owner,
+    ResponseRow.status,
+    ResponseRow.background,
+    ResponseRow.store,
+    ResponseRow.stream,
+    ResponseRow.request,
+    ResponseRow.conversation,
+    ResponseRow.response,
+    ResponseRow.attempt,
+    ResponseRow.chain_depth,
+)
+
+
+# The hot statements, built once: building one costs more than running it (parameters are bound).
+_NEW_ROW = (
+    "id",
+    "owner",
+    "status",
+    "model",
+    "background",
+    "store",
+    "stream",
+    "previous_response_id",
+    "request",
+    "conversation",
+    "response",
+    "chain_depth",
+)
+_CREATED = (
+    insert(ResponseRow)
+    .values({name: bindparam(name) for name in _NEW_ROW})
+    .returning(ResponseRow.id)
+    .cte("created")
+)
+_ITEMS = (
+    func.jsonb_array_elements(bindparam("items", type_=JSONB))
+    .table_valued("value", with_ordinality="ordinality")
+    .alias("items")
+)
+# The row and its input items in one statement (a data-modifying CTE): in autocommit, one round trip.
+_INSERT = insert(InputItemRow).from_select(
+    ["response_id", "position", "item_id", "item"],
+    select(_CREATED.c.id, _ITEMS.c.ordinality - 1, _ITEMS.c.value.op("->>")("id"), _ITEMS.c.value)
+    .select_from(_CREATED)
+    .join(_ITEMS, literal_column("true")),
+)
+_SELECT = select(*_COLUMNS).where(ResponseRow.id == bindparam("rid"))
+_SELECT_OWNED = _SELECT.where(ResponseRow.owner == bindparam("owned_by"))
+_START_ATTEMPT = (
+    update(ResponseRow)
+    .where(
+        ResponseRow.id == bindparam("rid"),
+        ResponseRow.attempt < bindparam("new_attempt"),
+        ResponseRow.status.in_(LIVE),
+    )
+    .values(
+        status=Status.IN_PROGRESS,
+        attempt=bindparam("new_attempt"),
+        response=ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.IN_PROGRESS))),
+        started_at=func.now(),
+    )
+    .returning(*_COLUMNS)
+)
+_MARK_FINISHED = (
+    update(ResponseRow)
+    .where(
+        ResponseRow.id == bindparam("rid"),
+        ResponseRow.attempt == bindparam("held_attempt"),
+        ResponseRow.status == Status.IN_PROGRESS,
+    )
+    .values(
+        status=bindparam("new_status"),
+        response=bindparam("new_response"),
+        error=bindparam("new_error"),
+        completed_at=func.now(),
+    )
+)
+
+
+def new_row(
+    owner: str,
+    request: CreateRequest,
+    response: dict[str, Any],
+    conversation: list[dict[str, Any]],
+    chain_depth: int,
+) -> dict[str, Any]:
+    """The columns of a new response row (`_NEW_ROW`), for `insert_response`."""
+    return {
+        "id": response["id"],
+        "owner": owner,
+        "status": Status.QUEUED,
+        "model": request.model,
+        "background": request.is_background,
+        "store": request.is_stored,
+        "stream": request.is_stream,
+        "previous_response_id": request.previous_response_id,
+        "request": request.model_dump(exclude_unset=True),
+        "conversation": conversation,
+        "response": response,
+        "chain_depth": chain_depth,
+    }
+
+
+async def insert_response(
+    conn: AsyncConnection, row: dict[str, Any], input_items: list[dict[str, Any]]
+) -> None:
+    """Insert a new response row and its input items (each has an `id`), in one statement."""
+    await conn.execute(_INSERT, {**{name: row[name] for name in _NEW_ROW}, "items": input_items})
+
+
+async def get_response(
+    conn: AsyncConnection, response_id: str, owner: str | None = None
+) -> StoredResponse | None:
+    """The row `response_id`, if it exists (and belongs to `owner`, when one is given)."""
+    if owner is None:
+        result = await conn.execute(_SELECT, {"rid": response_id})
+    else:
+        result = await conn.execute(_SELECT_OWNED, {"rid": response_id, "owned_by": owner})
+    row = result.one_or_none()
+    if row is None:
+        return None
+    return StoredResponse(**{**row._asdict(), "status": Status(row.status)})
+
+
+async def start_attempt(conn: AsyncConnection, response_id: str, attempt: int) -> StoredResponse | None:
+    """Move a live row to `in_progress` under `attempt` and read it, in one statement; None if it
+    is gone, terminal, or a later attempt owns it (then `get_response` tells which)."""
+    result = await conn.execute(_START_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
+    row = result.one_or_none()
+    return None if row is None else StoredResponse(**{**row._asdict(), "status": Status(row.status)})
+
+
+async def mark_finished(
+    conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
+) -> bool:
+    """Record the final Response, fenced on `attempt` (DESIGN.md §2.3); False means another outcome won."""
+    parameters = {
+        "rid": response_id,
+        "held_attempt": attempt,
+        "new_status": response["status"],
+        "new_response": response,
+        "new_error": response.get("error"),
+    }
+    result = await conn.execute(_MARK_FINISHED, parameters)
+    return result.rowcount == 1
+
+
+async def mark_failed(conn: AsyncConnection, response_id: str, response: dict[str, Any]) -> bool:
+    """Fail a live row whatever its attempt (a job that never ran, a sweep); False if already terminal."""
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(ResponseRow.id == response_id, ResponseRow.status.in_(LIVE))
+        .values(status=Status.FAILED, response=response, error=response.get("error"), completed_at=func.now())
+    )
+    return result.rowcount == 1
+
+
+async def mark_cancelled(conn: AsyncConnection, response_id: str, owner: str) -> dict[str, Any] | None:
+    """Cancel a live row (cancel wins, PROTOCOL.md §7); the cancelled Response, or None.
+
+    Which responses a client may cancel (background ones) is the service's rule; a foreground one
+    is cancelled when its client goes away.
+    """
+    cancelled = ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.CANCELLED)))
+    result = await conn.execute(
+        update(ResponseRow)
+        .where(
+            ResponseRow.id == response_id,
+            ResponseRow.owner == owner,
+            ResponseRow.status.in_(LIVE),
+        )
+        .values(status=Status.CANCELLED, response=cancelled, completed_at=func.now())
+        .returning(ResponseRow.response)
+    )
+    row = result.one_or_none()
+    return None if row is None else dict(row.response)
+
+
+async def delete_response(conn: AsyncConnection, response_id: str, owner: str | None = None) -> bool:
+    """Delete the row and (by cascade) its input items; False if there was none."""
+    query = delete(ResponseRow).where(ResponseRow.id == response_id)
+    if owner is not None:
+        query = query.where(ResponseRow.owner == owner)
+    return (await conn.execute(query)).rowcount == 1
+
+
+async def list_input_items(
+    conn: AsyncConnection,
+    response_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    order: Literal["asc", "desc"],
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of input items after the item `after` (cursor pagination), and whether more follow."""
+    query = select(InputItemRow.item).where(InputItemRow.response_id == response_id)
+    if after is not None:
+        cursor = (
+            select(InputItemRow.position)
+            .where(InputItemRow.response_id == response_id, InputItemRow.item_id == after)
+            .scalar_subquery()
+        )
+        query = query.where(
+            InputItemRow.position > cursor if order == "asc" else InputItemRow.position < cursor
+        )
+    position = InputItemRow.position.asc() if order == "asc" else InputItemRow.position.desc()
+    rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
+    return [dict(item) for item in rows[:limit]], len(rows) > limit
+
+
+async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int) -> bool:
+    """Finish a `store: false` response by deleting it, fenced like `mark_finished`."""
+    result = await conn.execute(
+        delete(ResponseRow).where(
+            ResponseRow.id == response_id,
+            ResponseRow.attempt == attempt,
+            ResponseRow.status == Status.IN_PROGRESS,
+        )
+    )
+    return result.rowcount == 1
+
+
+async def live_response_ids(
+    conn: AsyncConnection,
+    status: Status,
+    older_than_seconds: float,
+    limit: int,
+    after: LivePosition | None = None,
+) -> list[LivePosition]:
+    """Rows in live `status` created more than `older_than_seconds` ago (the sweep's view), as
+    (created_at, id), oldest first, after `after`: the sweep pages through them."""
+    assert status in LIVE
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_seconds)
+    query = select(ResponseRow.created_at, ResponseRow.id).where(
+        ResponseRow.status == status, ResponseRow.created_at < cutoff
+    )
+    if after is not None:
+        query = query.where(tuple_(ResponseRow.created_at, ResponseRow.id) > tuple_(*after))
+    query = query.order_by(ResponseRow.created_at, ResponseRow.id).limit(limit)
+    return [(row.created_at, row.id) for row in await conn.execute(query)]
+
+
+async def delete_expired(conn: AsyncConnection, retention_days: float, limit: int) -> int:
+    """Delete up to `limit` finished rows completed more than `retention_days` ago (DESIGN.md §2.7)."""
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, retention_days * 86400)
+    expired = (
+        select(ResponseRow.id)
+        .where(ResponseRow.completed_at < cutoff, ResponseRow.status.not_in(LIVE))
+        .limit(limit)
+        .scalar_subquery()
+    )
+    result = await conn.execute(delete(ResponseRow).where(ResponseRow.id.in_(expired)))
+    return int(result.rowcount)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says Postgres could not be reached (down, restarting, or no connection free)."""
+    # PoolTimeoutError: no pooled connection came free in time (connects hanging, or overload).
+    return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    )

@@ -1,0 +1,417 @@
+"""Running one response (DESIGN.md §2, steps 2 and 3): lease, mark in progress, call the upstream,
+translate, append every event fenced, record the final Response, then append the terminal event.
+
+Postgres is the authority: the terminal event follows the commit, and a cancel recorded there wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+from worker import logs
+from worker.errors import RespoolError
+from worker.events.lease import Lease
+from worker.events.stream import (
+    Event,
+    FencedOut,
+    expire_response,
+    last_event,
+    read_events,
+    start_over,
+)
+from worker.events.writer import BEFORE_OUTPUT, CancelRequested, ResponseWriter, terminal_event
+from worker.postgres import store
+from worker.protocol.response import TERMINAL, Status, failed, finished
+from worker.routing import Route, UpstreamApi
+from worker.runner.metrics import WorkerMetrics
+from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
+from worker.runner.synthetic import synthetic_chunks
+from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, UpstreamError, redact, stream_json
+from worker.settings import Settings
+from worker.translation import chat_request, chat_stream, native, output
+
+log = logging.getLogger("respool.runner")
+
+WORKER_LOST = (
+    "The worker running this response stopped after it had started streaming output; running it "
+    "again would repeat that output, so it was ended here. Retry the request."
+)
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed after output had started: `output` is what was streamed, ended `incomplete`."""
+
+    def __init__(self, message: str, output_: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.output = output_
+
+
+# What the upstream can do wrong: each ends the response `failed` with its message.
+_UPSTREAM_FAULTS = (UpstreamError, native.NativeFailure, RespoolError)
+
+
+async def run_response(rt: Runtime, response_id: str) -> RunEnd:
+    """Run `response_id` to its end under a new lease (DESIGN.md §2, steps 2-3)."""
+    logs.RESPONSE_ID.set(response_id)  # this task's log lines carry it
+    lease = await _acquire(rt, response_id)
+    if lease is None:
+        log.warning("response %s is held by another live holder; not running it", response_id)
+        return RunEnd.BUSY
+    rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
+    rt.held[response_id] = lease
+    try:
+        await _run_attempt(rt, lease)
+        return RunEnd.FINISHED
+    except FencedOut:
+        log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
+        return RunEnd.FENCED
+    except asyncio.CancelledError:
+        end = rt.interrupted.get(response_id)
+        if end is None:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        log.warning("response %s: attempt %d %s", response_id, lease.attempt, end)
+        return end
+    except Exception:
+        await _fail_unexpectedly(rt, lease)
+        raise
+    finally:
+        rt.running.pop(response_id, None)
+        rt.held.pop(response_id, None)
+        rt.cancelling.discard(response_id)
+        rt.interrupted.pop(response_id, None)
+        await rt.leases.release(lease)
+
+
+async def _acquire(rt: Runtime, response_id: str) -> Lease | None:
+    """A new lease, waiting out a holder that is gone but whose lease has not expired yet (a dead
+    or frozen worker whose job RQ retried). None if a live holder keeps renewing it."""
+    deadline = time.monotonic() + rt.leases.ttl_seconds + 1
+    while (lease := await rt.leases.acquire(response_id, rt.holder)) is None:
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.5)
+    return lease
+
+
+async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
+    """An attempt broke on something other than its upstream: end the response failed, if we still can."""
+    log.exception("response %s: attempt %d broke; failing the response", lease.response_id, lease.attempt)
+    try:
+        async with rt.engine.connect() as conn:
+            stored = await store.get_response(conn, lease.response_id)
+        last = await last_event(rt.redis, lease.response_id)
+        if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
+            return
+        writer = ResponseWriter(rt.log, lease, last.sequence_number + 1, rt.leases.ttl_seconds)
+        final = failed(
+            stored.response, "The server had an error while running this response.", int(time.time())
+        )
+        await _finish(rt, writer, stored, final)
+    except Exception:
+        log.exception("response %s: could not record the failure; recovery will end it", lease.response_id)
+
+
+async def _run_attempt(rt: Runtime, lease: Lease) -> None:
+    response_id = lease.response_id
+    # Read together: nothing but this lease's holder appends now, so the newest event is the same
+    # before or after the row moves.
+    last_read = asyncio.ensure_future(last_event(rt.redis, response_id))
+    try:
+        stored = await _patiently(rt, partial(_start, rt, lease))
+    except BaseException:
+        last_read.cancel()
+        raise
+    last = await last_read
+    writer = ResponseWriter(
+        rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
+    )
+    if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
+        await _end_as_stored(rt, writer)
+        return
+    response = stored.response
+    if lease.attempt > 1 and last is not None and last.type != "response.queued":
+        rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
+    last_type = None if last is None else last.type
+    if last_type is not None and last_type not in BEFORE_OUTPUT:
+        # DESIGN.md §4: an earlier attempt's output is in the stream. Unless a relay has read it,
+        # nobody saw it: this attempt starts the stream's output over and generates it again.
+        started = await start_over(rt.redis, lease)
+        if started is None:  # a client saw that output; generating again would repeat it
+            await _finish(rt, writer, stored, await _end_what_was_told(rt, writer, response))
+            return
+        log.info(
+            "response %s: attempt %d starts over (no client saw the output so far)", stored.id, lease.attempt
+        )
+        writer.next_sequence, last_type = started.kept, started.last_type
+    final = await _produce(rt, writer, stored, response, announced=last_type == "response.in_progress")
+    if final is None:
+        await _end_as_stored(rt, writer)
+        return
+    await _finish(rt, writer, stored, final)
+
+
+async def _end_what_was_told(rt: Runtime, writer: ResponseWriter, response: dict[str, Any]) -> dict[str, Any]:
+    """The failed Response of a response whose earlier attempt died mid-output: the items that
+    attempt had opened are closed `incomplete` on the stream and kept, so both tell the same."""
+    told = await read_events(rt.redis, response["id"])
+    out = output.rebuild(event.payload() for event in told)
+    await _emit(writer, output.close_open(out, "incomplete"))
+    return failed(response, WORKER_LOST, int(time.time()), output=output.output_items(out))
+
+
+async def _produce(
+    rt: Runtime,
+    writer: ResponseWriter,
+    stored: store.StoredResponse,
+    response: dict[str, Any],
+    *,
+    announced: bool,
+) -> dict[str, Any] | None:
+    """The final Response of this attempt, or None when it was cancelled."""
+    rt.generating.add(stored.id)
+    try:
+        if not announced:  # appended while the upstream call starts
+            writer.send([{"type": "response.in_progress", "response": response}])
+        outcome = await _generate(rt, writer, stored)
+    except CancelRequested:
+        rt.metrics.cancels.inc()
+        return None
+    except asyncio.CancelledError:
+        if stored.id not in rt.cancelling:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        rt.metrics.cancels.inc()
+        return None
+    except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
+        await writer.settle()  # what was sent lands before the failure is told
+        # An upstream (or a proxy before it) may quote the key it was sent, in any failure it reports.
+        reason = redact(str(exc), rt.routes.api_key_of(stored.request["model"]))
+        log.info("response %s failed: %s", stored.id, reason)
+        rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
+        streamed = exc.output if isinstance(exc, UpstreamFailed) else []
+        message = f"The upstream model failed: {reason}"
+        return failed(response, message, int(time.time()), code=_error_code(exc), output=streamed)
+    finally:
+        rt.generating.discard(stored.id)
+        await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
+    return finished(
+        response,
+        Status(outcome.status),
+        int(time.time()),
+        output=outcome.output,
+        usage=outcome.usage,
+        incomplete_details=outcome.incomplete_details,
+    )
+
+
+async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse) -> chat_stream.Outcome:
+    route = rt.routes.resolve(stored.request["model"])
+    model = route.upstream_model or route.model
+    if route.api is UpstreamApi.RESPONSES:
+        native_state = native.NativeStream()
+        body = native.to_responses_request(stored.request, stored.conversation, model)
+        events = stream_json(rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
+        translate = partial(native.translate_event, native_state)
+        finish = partial(native.finish_stream, native_state)
+        return await _translate(writer, events, translate, finish, native_state.output)
+    chat_state = chat_stream.start_stream(**chat_request.stream_options(stored.request))
+    body = chat_request.to_chat_request(stored.request, stored.conversation, model)
+    chunks = _chat_chunks(rt, route, body)
+    translate = partial(chat_stream.translate_chunk, chat_state)
+    finish = partial(chat_stream.finish_stream, chat_state)
+    return await _translate(writer, chunks, translate, finish, chat_state.output)
+
+
+def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
+    if route.api is UpstreamApi.SYNTHETIC:
+        return synthetic_chunks(body, rt.synthetic_delay_seconds)
+    return stream_json(rt.http, route, "/chat/completions", body, rt.retry, CHAT_STREAM)
+
+
+Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
+
+
+async def _translate(
+    writer: ResponseWriter,
+    payloads: AsyncGenerator[dict[str, Any]],
+    translate: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    finish: Finish,
+    out: output.Output,
+) -> chat_stream.Outcome:
+    """Append the events of every upstream payload, then the closing ones; the outcome.
+
+    The next payload is read while the last one's events are being appended (`ResponseWriter.send`).
+    An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
+    However the loop ends (a cancel, a fence), the upstream call is closed at once, not when the
+    garbage collector gets to it.
+    """
+    try:
+        async with contextlib.aclosing(payloads):
+            async for payload in payloads:
+                writer.send(translate(payload))
+        events, outcome = finish()
+    except _UPSTREAM_FAULTS as exc:
+        await writer.drain()
+        raise await _fail_mid_stream(writer, out, exc) from exc
+    except BaseException:
+        await writer.abandon()
+        raise
+    writer.send(events)
+    await writer.drain()
+    return outcome
+
+
+async def _emit(writer: ResponseWriter, events: list[dict[str, Any]]) -> None:
+    if events:
+        await writer.emit(events)
+
+
+async def _fail_mid_stream(writer: ResponseWriter, out: output.Output, exc: Exception) -> UpstreamFailed:
+    """End the items the upstream had opened as `incomplete`, so the stream adds up to the failed Response."""
+    await _emit(writer, output.close_open(out, "incomplete"))
+    return UpstreamFailed(str(exc), output.output_items(out))
+
+
+async def _finish(
+    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]
+) -> None:
+    """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored."""
+    won = await _patiently(rt, partial(_record_final, rt, stored, writer.lease.attempt, final))
+    if not won:
+        await _end_as_stored(rt, writer)
+        return
+    await writer.emit([terminal_event(final)], final=True)
+    _observe(rt.metrics, writer, str(final["status"]))
+    await expire_response(rt.redis, stored.id, rt.stream_ttl_seconds)
+
+
+def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> None:
+    metrics.finished.labels(status).inc()
+    metrics.completion.observe(time.monotonic() - writer.started_at)
+    if writer.first_output_at is not None:
+        metrics.first_event.observe(writer.first_output_at - writer.started_at)
+
+
+def _error_code(exc: Exception) -> str:
+    """The failed Response's `error.code`: what an upstream's refusal says (its model not found, our
+    key refused), else `server_error`."""
+    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) else exc
+    return cause.code if isinstance(cause, UpstreamError) else "server_error"
+
+
+def _fault_kind(exc: Exception) -> str:
+    """A small label set: `http_<status>` for an upstream that answered, else the fault's class."""
+    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) and exc.__cause__ is not None else exc
+    status = getattr(cause, "status", None)
+    return f"http_{status}" if status else type(cause).__name__
+
+
+async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
+    """Another outcome (a cancel) won in Postgres: end the stream with what is stored there."""
+    stored = await _patiently(rt, partial(_read, rt, writer.lease.response_id))
+    if stored is not None and stored.status in TERMINAL:
+        await _ensure_terminal(rt, writer, stored.response, await last_event(rt.redis, stored.id))
+
+
+async def _ensure_terminal(
+    rt: Runtime, writer: ResponseWriter, response: dict[str, Any], last: Event | None
+) -> None:
+    """Append the terminal event unless the stream already ends with one (the caller holds the lease)."""
+    if last is not None and last.is_terminal:
+        return
+    if last is not None:  # an append of an abandoned batch may have landed after the writer counted
+        writer.next_sequence = last.sequence_number + 1
+    await writer.emit([terminal_event(response)], final=True)
+    await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+
+
+# --- Postgres, waited for -------------------------------------------------------------------------
+
+
+async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
+    """`action`, retried while Postgres is unreachable, for up to `database_wait_seconds`.
+
+    The heartbeat keeps the lease meanwhile, so a response that finished generating during a
+    Postgres outage (or restart) is recorded once it is back, instead of being lost.
+    """
+    deadline, delay = time.monotonic() + rt.database_wait_seconds, 0.25
+    while True:
+        try:
+            return await action()
+        except Exception as exc:
+            if not store.is_unreachable(exc) or time.monotonic() > deadline:
+                raise
+            log.warning("Postgres is unreachable (%s); retrying in %.1f s", type(exc).__name__, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
+    async with rt.autocommit.connect() as conn:
+        return await store.get_response(conn, response_id)
+
+
+async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:
+    """The row, moved to `in_progress` under this attempt; None if it may not run (store.start_attempt)."""
+    async with rt.autocommit.connect() as conn:
+        return await store.start_attempt(conn, lease.response_id, lease.attempt)
+
+
+async def _record_final(
+    rt: Runtime, stored: store.StoredResponse, attempt: int, final: dict[str, Any]
+) -> bool:
+    """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing."""
+    async with rt.autocommit.connect() as conn:
+        if stored.store:
+            return await store.mark_finished(conn, stored.id, attempt, final)
+        return await store.delete_finished(conn, stored.id, attempt)
+
+
+async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
+    """End a live response nobody runs as `failed` with `message`, under a lease of our own.
+
+    False if a holder appeared, or it had already ended. The stream gets its terminal event either way.
+    """
+    lease = await rt.leases.acquire(response_id, f"{rt.holder}:sweep")
+    if lease is None:
+        return False
+    try:
+        async with rt.engine.begin() as conn:
+            stored = await store.get_response(conn, response_id)
+            if stored is None:
+                return False
+            won = stored.status not in TERMINAL and await store.mark_failed(
+                conn, response_id, failed(stored.response, message, int(time.time()))
+            )
+        last = await last_event(rt.redis, response_id)
+        writer = ResponseWriter(
+            rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
+        )
+        await _end_as_stored(rt, writer)
+        return bool(won)
+    finally:
+        await rt.leases.release(lease)
+
+
+def run_job(response_id: str) -> None:
+    """The RQ job function, for a stock `rq worker` on respool's queue (one response per process).
+
+    respool's own worker never calls it: it runs `run_response` for many jobs on one event loop.
+    """
+
+    async def run_once() -> None:
+        rt = await open_runtime(Settings(), f"rq:{os.getpid()}", 1)
+        try:
+            await run_response(rt, response_id)
+        finally:
+            await close_runtime(rt)
+
+    asyncio.run(run_once())

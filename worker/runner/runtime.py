@@ -1,0 +1,103 @@
+"""A worker process's shared state (connections, routes, the responses it runs), and how it is
+opened and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import httpx2
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker.events.lease import Lease, Leases
+from worker.events.stream import EventLog, connect
+from worker.postgres import store
+from worker.routing import Routes, load_routes
+from worker.runner.metrics import WorkerMetrics
+from worker.runner.upstream import RetryPolicy, create_client
+from worker.settings import Settings
+
+
+class RunEnd(StrEnum):
+    """How `run_response` ended, which decides what the worker tells RQ."""
+
+    FINISHED = "finished"  # the response has its terminal state (now, or from before)
+    FENCED = "fenced"  # another attempt holds it now: tell RQ nothing
+    BUSY = "busy"  # another live holder kept it past the wait
+    STOPPED = "stopped"  # this worker stopped it to shut down: requeue it
+
+
+@dataclass
+class Runtime:
+    """A worker process's connections and state, shared by every response it runs."""
+
+    engine: AsyncEngine
+    redis: Redis
+    http: httpx2.AsyncClient
+    routes: Routes
+    holder: str
+    stream_ttl_seconds: int
+    synthetic_delay_seconds: float
+    leases: Leases
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    database_wait_seconds: float = 120.0
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    log: EventLog = field(init=False)
+    autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
+    running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    held: dict[str, Lease] = field(default_factory=dict)
+    generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
+    cancelling: set[str] = field(default_factory=set)
+    interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
+
+    def __post_init__(self) -> None:
+        self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
+        self.autocommit = store.single_statements(self.engine)
+        self.metrics.in_flight.set_function(lambda: len(self.running))
+
+    def request_cancel(self, response_id: str) -> None:
+        """Interrupt the response's upstream call (the cancel watcher saw its flag).
+
+        Outside the upstream call the flag is seen at the next append, or the final commit loses
+        to the cancel recorded in Postgres, so only a generating task is interrupted.
+        """
+        task = self.running.get(response_id)
+        if task is not None and response_id in self.generating and response_id not in self.cancelling:
+            self.cancelling.add(response_id)
+            task.cancel()
+
+    def interrupt(self, response_id: str, end: RunEnd) -> None:
+        """Stop the response's attempt at once: its lease was lost (FENCED), or the worker stops (STOPPED)."""
+        task = self.running.get(response_id)
+        if task is not None and response_id not in self.interrupted:
+            self.interrupted[response_id] = end
+            task.cancel()
+
+
+async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:
+    """Connections for a process that runs up to `concurrency` responses at once."""
+    redis = connect(settings.redis_url, max_connections=max(16, concurrency // 4))
+    return Runtime(
+        engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
+        redis=redis,
+        http=create_client(
+            settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds
+        ),
+        retry=RetryPolicy.from_settings(settings),
+        database_wait_seconds=settings.database_wait_seconds,
+        routes=load_routes(settings),
+        holder=holder,
+        stream_ttl_seconds=settings.stream_ttl_seconds,
+        synthetic_delay_seconds=settings.synthetic_delay_seconds,
+        leases=Leases(redis, settings.lease_seconds),
+    )
+
+
+async def close_runtime(rt: Runtime) -> None:
+    await rt.http.aclose()
+    await rt.engine.dispose()
+    await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own

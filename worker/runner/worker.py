@@ -1,0 +1,333 @@
+"""The worker process (DESIGN.md §7): an asyncio multi-execution worker on RQ's bookkeeping.
+
+RQ's own work loop runs on the main thread (so its signal handling, registration, maintenance and
+registries are RQ's). Each dequeued job becomes a coroutine on an event loop in a second thread,
+so one process holds hundreds of responses and never forks per job. The loop also runs the
+heartbeat (every lease and every RQ execution, one round trip each) and the cancel watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import uvloop
+from redis import Redis as SyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq.exceptions import StopRequested
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.utils import now
+from rq.worker import BaseWorker
+
+from worker import logs
+from worker.keys import cancel_key
+from worker.postgres.store import is_unreachable
+from worker.queue import job_statuses, response_queue
+from worker.runner.attempt import run_response
+from worker.runner.recovery import sweep
+from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
+from worker.settings import Settings
+
+log = logging.getLogger("respool.worker")
+
+_BEAT_SECONDS = 1.0
+
+# What an unreachable (stopped, restarting, partitioned) Redis raises.
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+@dataclass
+class _Running:
+    job: Job
+    queue: Queue
+    execution: Execution
+    future: Future[None]
+
+
+class ResponseWorker(BaseWorker):
+    """Runs up to `concurrency` responses at once on one event loop, keeping RQ's registries true."""
+
+    def __init__(self, settings: Settings, connection: SyncRedis, concurrency: int) -> None:
+        queue = response_queue(connection, settings.queue)
+        super().__init__(
+            [queue],
+            connection=connection,
+            serializer=JSONSerializer,
+            worker_ttl=max(30, settings.registry_seconds * 3),
+            job_monitoring_interval=settings.registry_seconds,
+        )
+        self.maintenance_interval = settings.maintenance_seconds
+        # RQ's reconnect backoff grows to a minute by default: after an outage, resume sooner.
+        self.max_connection_wait_time = float(max(5, settings.maintenance_seconds * 2))
+        self._settings = settings
+        self._last_beat = self._last_suspension_check = -math.inf
+        self._slots = threading.Semaphore(concurrency)
+        self._running: dict[str, _Running] = {}
+        self._loop = uvloop.new_event_loop()  # libuv's loop: a third of asyncio's cost per I/O callback
+        self._thread = threading.Thread(target=self._loop.run_forever, name="responses", daemon=True)
+        self._thread.start()
+        self._runtime: Runtime = self._call(open_runtime(settings, self.name, concurrency))
+        if settings.worker_metrics_port:
+            self._runtime.metrics.serve(settings.worker_metrics_port)
+        self._background = [
+            self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
+            self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),
+            self._submit(self._every(settings.maintenance_seconds, self._sweep)),
+        ]
+
+    # RQ's hooks ----------------------------------------------------------------------------
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # Short blocking pops, so maintenance (orphan detection) runs on time while idle.
+        return max(1, self.maintenance_interval)
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """The StartedJobRegistry entry outlives a missed heartbeat or two, not minutes (DESIGN.md §4)."""
+        return self._settings.registry_seconds
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        """Take a job only when a slot is free: a job popped without one would wait unseen.
+
+        While Redis is unreachable, wait for it: RQ's own loop would quit on the error.
+        """
+        while True:
+            self._wait_for_slot()
+            try:
+                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(
+                    timeout, max_idle_time
+                )
+            except _REDIS_DOWN as exc:
+                self._slots.release()
+                self._wait_for_redis(exc)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            if result is None:
+                self._slots.release()
+            return result
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        if pipeline is not None:  # queued on someone's pipeline: its execute() meets any error
+            super().heartbeat(timeout, pipeline=pipeline)
+            return
+        # RQ's loop beats before and after every dequeue and after every job, three round trips
+        # each: at hundreds of jobs a second, once a second says as much (the key lives 30 s+).
+        if time.monotonic() - self._last_beat < _BEAT_SECONDS and timeout is None:
+            return
+        self._last_beat = time.monotonic()
+        try:
+            super().heartbeat(timeout)
+        except _REDIS_DOWN as exc:
+            log.warning("worker heartbeat failed (%s); carrying on", exc)
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except _REDIS_DOWN as exc:
+            log.warning("maintenance skipped: Redis is unreachable (%s)", exc)
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """Write the state only when it changes (RQ rewrites it at every dequeue)."""
+        if pipeline is None and state == self.get_state():
+            return
+        super().set_state(state, pipeline)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        # `rq suspend` is noticed within a second, not re-read before every job.
+        if time.monotonic() - self._last_suspension_check < _BEAT_SECONDS:
+            return
+        self._last_suspension_check = time.monotonic()
+        try:
+            super().check_for_suspension(burst)
+        except _REDIS_DOWN as exc:
+            self._wait_for_redis(exc)
+
+    def _wait_for_redis(self, exc: Exception) -> None:
+        log.warning("Redis is unreachable (%s); waiting for it", exc)
+        time.sleep(self._settings.maintenance_seconds)
+        if self._stop_requested:
+            raise StopRequested()
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Record the job as started, start its response on the event loop, and return at once.
+
+        The records are those RQ's `prepare_execution` and `prepare_job_execution` write (the
+        execution in the StartedJobRegistry, the job's status and heartbeat, the job out of the
+        intermediate queue), sent in one round trip where RQ sends three: this worker runs many
+        jobs at once, so it never flips its own state to busy and back for one.
+        """
+        ttl = self.get_heartbeat_ttl(job)
+        with self.connection.pipeline() as pipe:
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+            self.executions[execution.id] = execution
+            self.heartbeat(ttl, pipeline=pipe)
+            job.heartbeat(now(), ttl, pipeline=pipe)
+            job.prepare_for_execution(self.name, pipeline=pipe)
+            pipe.persist(job.key)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+        future = self._submit(self._perform(job, queue, execution))
+        self._running[job.id] = _Running(job, queue, execution, future)
+
+    def _install_signal_handlers(self) -> None:
+        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        # From here on SIGTERM drains instead of killing: say so (tests and operators wait for it).
+        log.info("worker %s ready: taking responses (SIGTERM drains)", self.name)
+
+    def teardown(self) -> None:
+        """Let running responses finish (up to the drain deadline), then close the loop."""
+        self._drain(self._settings.drain_seconds)
+        for task in self._background:
+            task.cancel()
+        self._call(close_runtime(self._runtime))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        super().teardown()  # type: ignore[no-untyped-call]
+
+    # Internals -----------------------------------------------------------------------------
+
+    def _wait_for_slot(self) -> None:
+        while not self._slots.acquire(timeout=1.0):
+            self.heartbeat()
+            if self._stop_requested:
+                raise StopRequested()
+
+    async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
+        try:
+            end = await run_response(self._runtime, job.id)
+        except BaseException:
+            exc_info = sys.exc_info()
+            log.exception("response %s: the job failed", job.id)
+            await asyncio.to_thread(self._finalize_failure, job, queue, execution, exc_info)
+        else:
+            try:
+                await asyncio.to_thread(self._finalize, end, job, queue, execution)
+            except Exception:
+                log.exception("response %s: recording how its run ended (%s) with RQ failed", job.id, end)
+        finally:
+            self._running.pop(job.id, None)
+            self._slots.release()
+
+    def _finalize(self, end: RunEnd, job: Job, queue: Queue, execution: Execution) -> None:
+        """Tell RQ how the run ended (DESIGN.md §4)."""
+        if end is RunEnd.FENCED:
+            # Another attempt runs the job now: drop only this execution, so it never expires into
+            # an "abandoned" job that RQ would retry under the live attempt; the job's status is theirs.
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                pipe.execute()
+        elif end is RunEnd.STOPPED:
+            # Queued first: should this process die in between, the execution left behind expires
+            # onto a job that is QUEUED, which RQ's maintenance leaves alone.
+            queue.enqueue_job(job, at_front=True)
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                pipe.execute()
+            log.info("response %s: requeued for another worker", job.id)
+        else:
+            self._finalize_success(job, queue, execution, None)
+
+    async def _every(self, seconds: float, action: Any) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await action()
+            except Exception as exc:
+                if isinstance(exc, _REDIS_DOWN) or is_unreachable(exc):  # an outage: say it in one line
+                    log.warning("periodic %s skipped: %s", action.__name__, type(exc).__name__)
+                else:
+                    log.exception("periodic %s failed; retrying", action.__name__)
+
+    async def _heartbeat(self) -> None:
+        """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4).
+
+        A lease found lost (this worker was frozen past its TTL, and the response may run elsewhere
+        now) stops its attempt at once, and its RQ execution is no longer kept alive.
+        """
+        leases = list(self._runtime.held.values())
+        lost = await self._runtime.leases.renew(leases)
+        for lease in lost:
+            log.warning("response %s: lease lost (attempt %d); stopping it", lease.response_id, lease.attempt)
+            self._runtime.interrupt(lease.response_id, RunEnd.FENCED)
+        fenced = {lease.response_id for lease in lost} | set(self._runtime.interrupted)
+        await asyncio.to_thread(self._heartbeat_executions, fenced)
+
+    def _heartbeat_executions(self, fenced: set[str]) -> None:
+        ttl = self._settings.registry_seconds
+        with self.connection.pipeline() as pipe:
+            self.heartbeat(pipeline=pipe)
+            for running in list(self._running.values()):
+                if running.job.id in fenced:
+                    continue
+                running.execution.heartbeat(running.job.started_job_registry, ttl, pipeline=pipe)
+                running.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            pipe.execute()
+
+    async def _sweep(self) -> None:
+        """End responses nobody runs any more, and drop stored ones past retention (worker/runner/recovery.py)."""
+        await sweep(self._runtime, self._settings, self._queue_statuses)
+
+    def _queue_statuses(self, response_ids: list[str]) -> dict[str, JobStatus | None]:
+        return job_statuses(self.queues[0], response_ids)
+
+    async def _watch_cancels(self) -> None:
+        """Interrupt responses whose cancel flag is set, even while their upstream is silent."""
+        response_ids = list(self._runtime.running)
+        if not response_ids:
+            return
+        async with self._runtime.redis.pipeline(transaction=False) as pipe:
+            for response_id in response_ids:
+                pipe.exists(cancel_key(response_id))
+            flags = await pipe.execute()
+        for response_id, flagged in zip(response_ids, flags, strict=True):
+            if flagged:
+                self._runtime.request_cancel(response_id)
+
+    def _drain(self, seconds: float) -> None:
+        """Let running responses finish for up to `seconds`, then stop the rest and requeue them
+        at the front of the queue, their leases released (DESIGN.md §4, "Graceful stop")."""
+        futures = [running.future for running in list(self._running.values())]
+        if futures:
+            log.info("draining %d running responses (up to %.0f s)", len(futures), seconds)
+            concurrent.futures.wait(futures, timeout=seconds)
+        left = list(self._running.values())
+        if not left:
+            return
+        log.info("stopping %d responses still running; they go back to the queue", len(left))
+        for running in left:
+            self._loop.call_soon_threadsafe(self._runtime.interrupt, running.job.id, RunEnd.STOPPED)
+        concurrent.futures.wait([running.future for running in left], timeout=10)
+
+    def _submit(self, coroutine: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _call(self, coroutine: Any) -> Any:
+        return self._submit(coroutine).result()
+
+
+def run_worker(settings: Settings, concurrency: int) -> None:
+    """`respool worker`: run until SIGINT/SIGTERM."""
+    # RQ's loop (this thread) waits for the GIL after each Redis reply while the responses' event
+    # loop runs; the default 5 ms switch interval would add up to 5 ms to each of its round trips.
+    sys.setswitchinterval(0.0005)
+    connection = SyncRedis.from_url(settings.redis_url)
+    # RQ's own lines (registry cleaning every few seconds, three a job) only from `debug` on.
+    ResponseWorker(settings, connection, concurrency).work(
+        logging_level=logs.chatty_level(settings.log_level)
+    )

@@ -1,0 +1,81 @@
+"""Ending responses from the API side (DESIGN.md §2.5): recording a cancel, reaching whoever holds
+the response, and ending a stream no worker will end.
+
+A cancel is recorded in Postgres first (it wins atomically, PROTOCOL.md §7); then a flag reaches a
+worker running the response, and a job still queued is removed and its stream ended here, under a
+lease of the API's own, so the stream's writer is always one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from redis.asyncio import Redis
+from rq import Queue
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker.events.lease import Leases
+from worker.events.stream import EventLog, expire_response, last_event
+from worker.events.writer import ResponseWriter, terminal_event
+from worker.ids import new_id
+from worker.keys import cancel_key
+from worker.outages import database_outage, redis_outage
+from worker.postgres import store
+from worker.queue import remove_queued
+from worker.settings import Settings
+
+CANCEL_FLAG_SECONDS = 3600
+
+
+class Cancellation:
+    """One per API process (the service's): cancels, and ends streams under its own leases."""
+
+    def __init__(self, settings: Settings, autocommit: AsyncEngine, redis: Redis, queue: Queue) -> None:
+        self.settings = settings
+        self.autocommit = autocommit
+        self.redis = redis
+        self.queue = queue
+        self.leases = Leases(redis, settings.lease_seconds)
+        self.log = EventLog(redis)
+        self.holder = f"api:{new_id('proc')}"
+
+    async def cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """Record the cancel, then reach whoever holds the response; None if it was not live."""
+        async with database_outage(), self.autocommit.connect() as conn:
+            cancelled = await store.mark_cancelled(conn, response_id, owner)
+        if cancelled is None:
+            return None
+        await self._signal(response_id, cancelled)
+        return cancelled
+
+    async def finish(self, response_id: str, cancelled: dict[str, Any]) -> None:
+        """A repeated cancel completes one an outage cut short after Postgres recorded it (its 503
+        made the SDK retry): the stream is still open, so signal again."""
+        async with redis_outage():
+            last = await last_event(self.redis, response_id)
+        if last is not None and not last.is_terminal:
+            await self._signal(response_id, cancelled, is_retry=True)
+
+    async def _signal(self, response_id: str, cancelled: dict[str, Any], *, is_retry: bool = False) -> None:
+        """Reach whoever holds a cancelled response: the flag stops a worker running it; a job still
+        queued is removed and its stream ended here (on a retry, whether or not it was queued)."""
+        async with redis_outage():
+            await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
+            if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
+                await self.end_stream(response_id, cancelled)
+
+    async def end_stream(self, response_id: str, response: dict[str, Any]) -> None:
+        """End a never-run response's stream with its terminal event, under a lease of our own."""
+        lease = await self.leases.acquire(response_id, self.holder)
+        if lease is None:
+            return  # a worker holds it and will end the stream itself
+        try:
+            last = await last_event(self.redis, response_id)
+            if last is None or not last.is_terminal:
+                next_sequence = 0 if last is None else last.sequence_number + 1
+                writer = ResponseWriter(self.log, lease, next_sequence)
+                await writer.emit([terminal_event(response)], final=True)
+            await expire_response(self.redis, response_id, self.settings.stream_ttl_seconds)
+        finally:
+            await self.leases.release(lease)

@@ -1,0 +1,386 @@
+"""The service layer the API calls (DESIGN.md §2): create, retrieve, follow, cancel, delete, list.
+
+It owns every transaction and enqueues only after the commit (STYLE.md boundary 4). Each method
+takes the caller's `owner`; a response of another owner is "not found", on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from rq import Queue
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker import logs
+from worker.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    ResponseNotFoundError,
+    UnavailableAfterCommitError,
+    UnavailableError,
+)
+from worker.events.stream import (
+    Event,
+    connect,
+    encode,
+    last_event,
+    read_events,
+)
+from worker.ids import new_id
+from worker.keys import response_keys
+from worker.outages import database_outage, redis_outage
+from worker.postgres import store
+from worker.protocol.items import check_tool_outputs, normalize_input
+from worker.protocol.request import CreateRequest, parse_create_request
+from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
+from worker.queue import delete_job, enqueue_commands, parse_server_version, response_queue
+from worker.routing import Route, Routes, UpstreamApi, load_routes
+from worker.service import chains
+from worker.service.cancellation import Cancellation
+from worker.service.quota import Quotas, StreamSlot
+from worker.service.tailer import TAILER_BLOCK_MS, Tailer, blocking_client
+from worker.settings import Settings
+from worker.translation import chat_request
+
+log = logging.getLogger("respool.service")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """An event stream to relay: the events after `after`, and the slot it holds until it ends
+    (None while streams are unlimited); `Quotas.close_stream` gives the slot back."""
+
+    events: AsyncIterator[Event | None]
+    after: int
+    slot: StreamSlot | None
+
+
+@dataclass(frozen=True)
+class Created:
+    """What a create produced: the Response now, and for `stream`/foreground how to follow it."""
+
+    response: dict[str, Any]
+    request: CreateRequest
+    stream: Stream | None = None
+
+
+class ResponseService:
+    """One per API process: its connections, the routing table and the tailer."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, redis: Redis, sync_redis: SyncRedis) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.autocommit = store.single_statements(engine)  # for one-statement work
+        self.redis = redis
+        self.queue: Queue = response_queue(sync_redis, settings.queue)
+        self.routes: Routes = load_routes(settings)
+        # A finished response's terminal event is waited for past its writer's lease (see `follow`).
+        finishing = settings.lease_seconds + 5
+        self.tailer = Tailer(
+            redis, blocking_client(settings), block_ms=TAILER_BLOCK_MS, finishing_seconds=finishing
+        )
+        self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
+        self.quotas = Quotas(redis, settings)
+
+    @classmethod
+    def open(cls, settings: Settings) -> ResponseService:
+        engine = store.create_engine(
+            settings.database_url, connect_timeout_seconds=settings.database_connect_timeout_seconds
+        )
+        timeout = settings.redis_timeout_seconds
+        redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
+        sync_redis = SyncRedis.from_url(
+            settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout
+        )
+        return cls(settings, engine, redis, sync_redis)
+
+    async def start(self) -> None:
+        await self.tailer.start()
+        self.quotas.start()
+
+    async def close(self) -> None:
+        await self.quotas.stop()
+        await self.tailer.stop()
+        await self.engine.dispose()
+        await self.redis.aclose()
+        self.queue.connection.close()
+
+    # Create ----------------------------------------------------------------------------------
+
+    async def create(self, owner: str, body: object) -> Created:
+        """Validate, record and enqueue a response (DESIGN.md §2.1); nothing is written on a 400."""
+        request = parse_create_request(body)
+        assert request.model is not None and request.input is not None
+        route = self.routes.resolve(request.model)
+        own_items = normalize_input(request.input)
+        if len(own_items) > self.settings.max_input_items:
+            raise InvalidRequestError(
+                f"'input' has {len(own_items):,} items; this server accepts at most "
+                f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS).",
+                param="input",
+            )
+        await self._check_queue_depth()
+        # A stream takes its slot before anything is recorded: refused, it is safe to retry.
+        slot = await self.quotas.open_stream(owner) if request.is_stream else None
+        try:
+            response = await self._record(owner, request, route, own_items)
+        except BaseException:
+            await self.quotas.close_stream(slot)
+            raise
+        if not request.is_stream:
+            return Created(response, request)
+        events = self.follow(response["id"], -1, self.settings.sse_heartbeat_seconds)
+        return Created(response, request, Stream(events, -1, slot))
+
+    async def _record(
+        self, owner: str, request: CreateRequest, route: Route, own_items: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Record the response and enqueue it; its Response as created."""
+        response_id = new_id("resp")
+        logs.RESPONSE_ID.set(response_id)
+        response = build_response(request, response_id, int(time.time()), Status.QUEUED)
+        await self._check_queue()
+        # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
+        async with database_outage(), self.autocommit.connect() as conn:
+            history, depth = await chains.history(
+                conn, owner, request.previous_response_id, self.settings.max_chain_depth
+            )
+            conversation = history + own_items
+            check_tool_outputs(conversation, len(history))
+            _check_translatable(route, request, conversation)
+            row = store.new_row(owner, request, response, conversation, depth)
+            await store.insert_response(conn, row, own_items)
+        await self._enqueue(request, response)
+        return response
+
+    async def queue_depth(self) -> int:
+        """How many responses wait in the queue for a worker."""
+        async with redis_outage():
+            return int(await self.redis.llen(self.queue.key))
+
+    async def _check_queue_depth(self) -> None:
+        """Refuse new work while the queue is over its limit, before anything is recorded."""
+        limit = self.settings.max_queue_depth
+        if limit <= 0:
+            return
+        depth = await self.queue_depth()
+        if depth >= limit:
+            raise OverloadedError(
+                f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
+            )
+
+    async def _check_queue(self) -> None:
+        """Raise `UnavailableError` unless Redis answers: refused before anything is written, a create
+        is safe for the SDK to retry (PROTOCOL.md §5.5)."""
+        async with redis_outage():
+            await self.redis.ping()
+
+    async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
+        created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
+        first = [encode({"type": "response.created", "response": created}, 0)]
+        if request.is_background:
+            first.append(encode({"type": "response.queued", "response": response}, 1))
+        try:
+            if self.queue.redis_server_version is None:  # RQ asks once per process: ask it here
+                info = await self.redis.info("server")
+                self.queue.redis_server_version = parse_server_version(info["redis_version"])
+            commands = enqueue_commands(self.queue, response["id"], first, self.settings.max_attempts)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for args, options in commands:
+                    pipe.execute_command(*args, **options)
+                await pipe.execute()
+        except RedisError as exc:
+            # The row is committed, so the SDK must not retry; and whether the job reached the queue
+            # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
+            log.error("response %s: enqueue failed: %s", response["id"], exc)
+            await self._fail_unqueued(response)
+            raise UnavailableAfterCommitError(
+                f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
+                "queued, and has been marked failed. Retry the request shortly."
+            ) from exc
+
+    async def _fail_unqueued(self, response: dict[str, Any]) -> None:
+        try:
+            async with database_outage(), self.engine.begin() as conn:
+                await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
+        except UnavailableError:  # Postgres is gone too: the workers' sweep ends the row later
+            log.error("response %s: could not mark the unqueued response failed", response["id"])
+
+    # Read ------------------------------------------------------------------------------------
+
+    async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
+        """The Response as it stands (PROTOCOL.md §6.3 polling)."""
+        return (await self._stored(owner, response_id)).response
+
+    async def replay(self, owner: str, response_id: str, after: int) -> Stream:
+        """The response's events after `after`, to relay (PROTOCOL.md §6.3): raises unless it
+        exists for `owner`, its events are still kept and `owner` may open one more stream."""
+        final = await self.check_streamable(owner, response_id)
+        slot = await self.quotas.open_stream(owner)
+        events = self.follow(response_id, after, self.settings.sse_heartbeat_seconds, final=final)
+        return Stream(events, after, slot)
+
+    async def check_streamable(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """Raise unless the response exists for `owner` and its events are still kept; its final
+        Response if it has finished (then its stream is replayed, not followed for long).
+
+        Redis is asked even for a live response, so an outage is a 503 before the stream starts.
+        """
+        stored = await self._stored(owner, response_id)
+        async with redis_outage():
+            last = await last_event(self.redis, response_id)
+        if stored.status not in TERMINAL:
+            return None
+        if last is None:
+            raise InvalidRequestError(
+                "The event stream of this response has expired; retrieve it without stream=true.",
+                param="stream",
+            )
+        if not last.is_terminal:
+            async with redis_outage():
+                await self.cancellation.end_stream(response_id, stored.response)
+        return stored.response
+
+    async def follow(
+        self,
+        response_id: str,
+        after: int = -1,
+        idle_seconds: float | None = None,
+        *,
+        final: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Event | None]:
+        """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
+        finished response (`final`) what is stored, an `after` past its end being an empty stream.
+
+        Postgres commits a response's end before its writer appends the terminal event (DESIGN.md
+        §2.3). If that event does not come while the relay waits, the writer died in between: the
+        stream is ended from Postgres here (its lease has expired by then) and that end relayed.
+
+        Raises `UnavailableError` if Redis is lost meanwhile: the reader resumes after the last
+        event it got, once Redis is back.
+        """
+        position, is_ended = after, False
+        is_finished = final is not None
+        async with (
+            redis_outage(),
+            contextlib.aclosing(self.tailer.follow(response_id, after, idle_seconds, is_finished)) as events,
+        ):
+            async for item in events:
+                if item is not None:
+                    position, is_ended = item.sequence_number, item.is_terminal
+                yield item
+            if final is not None and not is_ended and position >= 0:
+                await self.cancellation.end_stream(response_id, final)
+                for event in await read_events(self.redis, response_id, position):
+                    yield event
+
+    async def wait(self, response_id: str) -> dict[str, Any]:
+        """Hold a foreground request until its terminal event, and return its Response."""
+        try:
+            async for event in self.follow(response_id):
+                if event is not None and event.is_terminal:
+                    response: dict[str, Any] = event.payload()["response"]
+                    return response
+        except UnavailableError as exc:
+            raise UnavailableAfterCommitError(
+                f"Response '{response_id}' was accepted, but its events became unavailable while "
+                "waiting for it; retrieve it by id shortly."
+            ) from exc
+        raise UnavailableAfterCommitError(
+            f"The event stream of response '{response_id}' ended without a terminal event; retrieve it by id."
+        )
+
+    async def input_items(
+        self, owner: str, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> dict[str, Any]:
+        """A page of the response's input items (PROTOCOL.md §5.1)."""
+        await self._stored(owner, response_id)
+        async with database_outage(), self.engine.connect() as conn:
+            items, has_more = await store.list_input_items(
+                conn, response_id, after=after, limit=limit, order=order
+            )
+        return {
+            "object": "list",
+            "data": items,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+            "has_more": has_more,
+        }
+
+    def models(self) -> list[dict[str, Any]]:
+        """`GET /v1/models`: every routed model."""
+        return [
+            {"id": route.model, "object": "model", "created": 0, "owned_by": "respool"}
+            for route in self.routes.listed()
+        ]
+
+    # Cancel and delete -----------------------------------------------------------------------
+
+    async def cancel(self, owner: str, response_id: str) -> dict[str, Any]:
+        """Cancel a background response (PROTOCOL.md §7 matrix); idempotent."""
+        stored = await self._stored(owner, response_id)
+        if not stored.background:
+            raise InvalidRequestError("Cannot cancel a synchronous response.", param="response_id")
+        cancelled = await self.cancellation.cancel_live(owner, response_id)
+        if cancelled is None:  # already terminal, or it just finished
+            stored = await self._stored(owner, response_id)
+            if stored.status is not Status.CANCELLED:
+                raise InvalidRequestError(f"Cannot cancel a {stored.status} response.", param="response_id")
+            await self.cancellation.finish(response_id, stored.response)
+            return stored.response
+        return cancelled
+
+    async def abandon(self, owner: str, response_id: str) -> None:
+        """The client of a foreground response went away: cancel it, so it stops costing GPU time
+        (DESIGN.md §2, `RESPOOL_CANCEL_ON_DISCONNECT`). A no-op once it has ended."""
+        if self.settings.cancel_on_disconnect:
+            await self.cancellation.cancel_live(owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
+        """Delete a response, its input items and its events; a live background one is cancelled first."""
+        stored = await self._stored(owner, response_id)
+        if stored.status in LIVE:
+            if not stored.background:
+                raise InvalidRequestError(
+                    "Cannot delete a synchronous response while it is in progress.", param="response_id"
+                )
+            await self.cancel(owner, response_id)
+        # Redis first: if it is down, nothing is deleted yet and the SDK's retry finds the row.
+        # Deleting the lease fences out a worker still running it: it can write nothing more.
+        async with redis_outage():
+            await self.redis.delete(*response_keys(response_id))
+            await asyncio.to_thread(delete_job, self.queue, response_id)
+        async with database_outage(), self.engine.begin() as conn:
+            await store.delete_response(conn, response_id, owner)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def check_ready(self) -> None:
+        """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
+        async with redis_outage():
+            await self.redis.ping()
+        async with database_outage(), self.autocommit.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
+        logs.RESPONSE_ID.set(response_id)
+        async with database_outage(), self.autocommit.connect() as conn:
+            stored = await store.get_response(conn, response_id, owner)
+        if stored is None or not stored.store:
+            raise ResponseNotFoundError(response_id)
+        return stored
+
+
+def _check_translatable(route: Route, request: CreateRequest, conversation: list[dict[str, Any]]) -> None:
+    """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
+    if route.api is not UpstreamApi.RESPONSES:
+        chat_request.to_chat_request(request.model_dump(exclude_unset=True), conversation, route.model)

@@ -1,0 +1,222 @@
+"""Following response streams: replay with XRANGE, then one multiplexed XREAD per process (DESIGN.md §7).
+
+A single task blocks in `XREAD` over every stream this process relays, plus a private wake-up
+stream: a new subscriber XADDs to it, so the blocked read returns and the next one includes the
+new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
+between the replay and the live tail.
+
+A failed read ends every live subscriber with a Redis error: while Redis is unreachable nobody can
+tell what is being missed (or, if it comes back empty, lost), so readers end at once and resume
+with `starting_after` instead of waiting on a stream that may never move again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import cast
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from worker.events.stream import (
+    Entry,
+    Event,
+    decode_entry,
+    entry_id,
+    hiredis_packing,
+    last_event,
+    read_events,
+    read_events_observed,
+)
+from worker.keys import events_key, wake_key
+from worker.settings import Settings
+
+log = logging.getLogger("respool.tailer")
+
+REPLAY_PAGE = 1000
+TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    position: int
+    queue: asyncio.Queue[Event | RedisError] = field(default_factory=asyncio.Queue)
+
+
+class Tailer:
+    """Relays live events of many responses to many readers over one blocking connection."""
+
+    def __init__(
+        self, redis: Redis, blocking: Redis, block_ms: int = 10_000, finishing_seconds: float = 10.0
+    ) -> None:
+        self._redis = redis  # the process's pool: replays and wake-ups
+        self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
+        self._block_ms = block_ms
+        # How long a finished response's terminal event may still be on its way (it follows the commit).
+        self._finishing_seconds = finishing_seconds
+        self._wake = wake_key(uuid.uuid4().hex)
+        self._wake_position = "0-0"
+        self._subscribers: dict[str, set[_Subscriber]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start relaying. With Redis unreachable the process starts all the same (its routes answer
+        503 meanwhile), and the tail begins once Redis is back."""
+        try:
+            self._wake_position = (await self._poke()).decode()
+        except RedisError as exc:
+            log.warning(
+                "tailer: Redis is unreachable at start (%r); serving, and tailing once it is back", exc
+            )
+            self._wake_position = "0-0"  # the wake-up stream, from its beginning once it exists
+        self._task = asyncio.create_task(self._run(), name="tailer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(RedisError):  # it expires on its own if Redis is down now
+            await self._redis.delete(self._wake)
+        await self._blocking.aclose()
+
+    async def follow(
+        self, response_id: str, after: int = -1, idle_seconds: float | None = None, is_finished: bool = False
+    ) -> AsyncGenerator[Event | None]:
+        """Every event with `sequence_number > after`, stored then live, up to the terminal event.
+
+        Yields None after `idle_seconds` without an event (the SSE relay's heartbeat cue). Of a
+        response known to be finished, the stored events, and only if its stream lacks the terminal
+        event (Postgres commits first, DESIGN.md §2.3), what comes live within `finishing_seconds`:
+        an `after` past the end is an empty stream, and a stream that expired never hangs.
+
+        The first read marks the response observed, in the same step: from then on no new attempt
+        starts its output over (DESIGN.md §4, "Orphans"), which would take back what was relayed.
+        """
+        position = after
+        page = await read_events_observed(self._redis, response_id, position, count=REPLAY_PAGE)
+        while True:  # the replay, page by page
+            for event in page:
+                yield event
+                if event.is_terminal:
+                    return
+            if len(page) < REPLAY_PAGE:
+                break
+            position = page[-1].sequence_number
+            page = await read_events(self._redis, response_id, position, count=REPLAY_PAGE)
+        until = None
+        if is_finished:
+            last = await last_event(self._redis, response_id)
+            if last is None or last.is_terminal:
+                return
+            until = asyncio.get_running_loop().time() + self._finishing_seconds
+        if page:
+            position = page[-1].sequence_number
+        async for item in self._live(response_id, position, idle_seconds, until):
+            yield item
+
+    async def _live(
+        self, response_id: str, position: int, idle_seconds: float | None, until: float | None = None
+    ) -> AsyncIterator[Event | None]:
+        key = events_key(response_id)
+        subscriber = _Subscriber(position)
+        self._subscribers.setdefault(key, set()).add(subscriber)
+        await self._poke()
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                timeout = idle_seconds
+                if until is not None:
+                    timeout = min(timeout or math.inf, max(0.0, until - loop.time()))
+                try:
+                    if subscriber.queue.empty():
+                        event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+                    else:  # a batch arrived: no timer for each of its events
+                        event = subscriber.queue.get_nowait()
+                except TimeoutError:
+                    if until is not None and loop.time() >= until:
+                        return
+                    yield None
+                    continue
+                if isinstance(event, RedisError):
+                    raise RedisConnectionError(f"the live tail lost Redis: {event}") from event
+                yield event
+                if event.is_terminal:
+                    return
+        finally:
+            subscribers = self._subscribers.get(key)
+            if subscribers is not None:
+                subscribers.discard(subscriber)
+                if not subscribers:
+                    del self._subscribers[key]
+
+    async def _poke(self) -> bytes:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self._wake, {"w": "1"}, maxlen=10, approximate=False)
+            pipe.expire(self._wake, 3600)
+            entry, _ = await pipe.execute()
+        return bytes(entry)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._read_once()
+            except RedisError as exc:
+                log.warning(
+                    "tailer: reading streams failed (%r): ending %d live readers; retrying in 1 s",
+                    exc,
+                    sum(len(subscribers) for subscribers in self._subscribers.values()),
+                )
+                self._end_all(exc)
+                await asyncio.sleep(1)
+
+    async def _read_once(self) -> None:
+        streams = {self._wake: self._wake_position}
+        for key, subscribers in self._subscribers.items():
+            streams[key] = entry_id(min(subscriber.position for subscriber in subscribers))
+        reply = await self._blocking.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
+        for stream, entries in cast(list[tuple[bytes, list[Entry]]], reply or []):
+            name = stream.decode()
+            if name == self._wake:
+                self._wake_position = entries[-1][0].decode()
+                continue
+            self._deliver(name, entries)
+
+    def _end_all(self, exc: RedisError) -> None:
+        """End every live subscriber with `exc`, after the events already delivered to it."""
+        for subscribers in self._subscribers.values():
+            for subscriber in subscribers:
+                subscriber.queue.put_nowait(exc)
+        self._subscribers.clear()
+
+    def _deliver(self, key: str, entries: list[Entry]) -> None:
+        subscribers = self._subscribers.get(key)
+        if not subscribers:
+            return
+        events = [decode_entry(entry, fields) for entry, fields in entries]  # once, for every reader
+        for subscriber in subscribers:
+            for event in events:
+                if event.sequence_number > subscriber.position:
+                    subscriber.queue.put_nowait(event)
+                    subscriber.position = event.sequence_number
+
+
+def blocking_client(settings: Settings) -> Redis:
+    """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
+    that plus the usual one (a shorter one would cut every idle XREAD short)."""
+    timeout = settings.redis_timeout_seconds
+    client = Redis.from_url(
+        settings.redis_url,
+        max_connections=1,
+        socket_connect_timeout=timeout,
+        socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
+    )
+    hiredis_packing(client.connection_pool)
+    return client
