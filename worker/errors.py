@@ -1,23 +1,34 @@
-"""The domain error tree. The API renders any of these as OpenAI's error envelope (PROTOCOL.md §5.6).
+"""Every error respool raises, in one tree (in the manner of httpx's `_exceptions.py`).
 
-    RespoolError                      500 server_error
-    ├── InvalidRequestError           400 invalid_request_error (carries `param`, `code`)
-    │   ├── MissingParameterError     400 code missing_required_parameter
-    │   ├── UnsupportedParameterError 400 code unsupported_parameter
-    │   ├── PreviousResponseNotFoundError  400 code previous_response_not_found
-    │   ├── ToolOutputMissingError    400 a function call with no output (no code, as OpenAI)
-    │   └── RequestTooLargeError      413 code request_too_large (RESPOOL_MAX_BODY_BYTES)
-    ├── RequestTimeoutError           408 code request_timeout (RESPOOL_BODY_TIMEOUT_SECONDS)
-    ├── AuthenticationError           401
-    ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
-    ├── WebSocketNotSupportedError    426 (the Responses API over WebSocket: clients fall back to HTTP)
-    ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
-    │   ├── RateLimitError            an owner's requests over RESPOOL_RATE_LIMIT_PER_MINUTE
-    │   └── StreamLimitError          an owner's open streams at RESPOOL_MAX_STREAMS_PER_KEY
-    └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
-        └── UnavailableAfterCommitError   503, never retried: the create was already recorded
+    Exception
+    ├── RespoolError                      what a client is told: the API renders it as OpenAI's
+    │   │                                 envelope (PROTOCOL.md §5.6) with its status
+    │   ├── InvalidRequestError           400 invalid_request_error (carries `param`, `code`)
+    │   │   ├── MissingParameterError     400 code missing_required_parameter
+    │   │   ├── UnsupportedParameterError 400 code unsupported_parameter
+    │   │   ├── PreviousResponseNotFoundError  400 code previous_response_not_found
+    │   │   ├── ToolOutputMissingError    400 a function call with no output (no code, as OpenAI)
+    │   │   └── RequestTooLargeError      413 code request_too_large (RESPOOL_MAX_BODY_BYTES)
+    │   ├── RequestTimeoutError           408 code request_timeout (RESPOOL_BODY_TIMEOUT_SECONDS)
+    │   ├── AuthenticationError           401
+    │   ├── NotFoundError                 404 (ResponseNotFoundError, ModelNotFoundError)
+    │   ├── WebSocketNotSupportedError    426 (the Responses API over WebSocket: clients fall back to HTTP)
+    │   ├── OverloadedError               429 + retry-after (the queue is full: nothing was recorded)
+    │   │   ├── RateLimitError            an owner's requests over RESPOOL_RATE_LIMIT_PER_MINUTE
+    │   │   └── StreamLimitError          an owner's open streams at RESPOOL_MAX_STREAMS_PER_KEY
+    │   └── UnavailableError              503 + retry-after (Redis or Postgres unreachable)
+    │       └── UnavailableAfterCommitError   503, never retried: the create was already recorded
+    ├── UpstreamError                     the upstream refused or broke a response's call: the
+    │   │                                 response ends `failed` with its message and `code`
+    │   ├── TransientUpstreamError        worth another attempt, if nothing reached a client yet
+    │   ├── UpstreamStreamError           what the upstream streamed is a failure or breaks its protocol
+    │   └── MidStreamError                any of those after output had started: carries that output
+    ├── FencedOutError                    control signal: another attempt holds the response now
+    ├── CancelRequestedError              control signal: a cancel was requested for the response
+    └── ConfigError (also a ValueError)   the routing configuration is unusable, found at start
 
-The core raises these; it never raises HTTP exceptions (STYLE.md §10).
+The core raises these; it never raises HTTP exceptions (STYLE.md §10). Foreign errors (httpx,
+redis, SQLAlchemy) are mapped at their boundary: `worker.runner.upstream`, `worker.outages`.
 """
 
 from __future__ import annotations
@@ -188,3 +199,82 @@ class UnavailableError(RespoolError):
 class UnavailableAfterCommitError(UnavailableError):
     """A backing server failed after a create was recorded. The SDK must not retry it: it would
     create the response twice (PROTOCOL.md §5.5). The message names the response."""
+
+
+# --- the upstream --------------------------------------------------------------------------------
+
+REDACTED = "[redacted]"
+# What a refusal by the upstream tells a client (a failed Response's `error.code`), by HTTP status.
+_UPSTREAM_CODES = {401: "upstream_unauthorized", 403: "upstream_forbidden", 404: "model_not_found"}
+
+
+def redact(text: str, secret: str) -> str:
+    """`text` with every `secret` in it replaced by `[redacted]`."""
+    return text.replace(secret, REDACTED) if secret else text
+
+
+class UpstreamError(Exception):
+    """The upstream refused or broke the request; `status` is its HTTP status, if it answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+    @property
+    def code(self) -> str:
+        """The failed Response's `error.code`: what the upstream's refusal says, else `server_error`."""
+        return _UPSTREAM_CODES.get(self.status or 0, "server_error")
+
+    def redact(self, secret: str) -> UpstreamError:
+        """Cut `secret` out of the message, in place; returns self."""
+        self.message = redact(self.message, secret)
+        self.args = (self.message, *self.args[1:])
+        return self
+
+
+class TransientUpstreamError(UpstreamError):
+    """A fault another attempt may not meet; `retry_after` is the upstream's wait hint in seconds."""
+
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+    def gave_up(self, attempts: int) -> UpstreamError:
+        """The final error once `attempts` attempts all failed, this one last."""
+        return UpstreamError(f"{self.message}; gave up after {attempts} attempts", self.status)
+
+
+class UpstreamStreamError(UpstreamError):
+    """What the upstream streamed ends the response failed: it said so (a native `response.failed` or
+    `error` event), or it broke its protocol (arguments outside any call, a call it finished whose
+    arguments are not JSON, a stream that ended before its response did)."""
+
+
+class MidStreamError(UpstreamError):
+    """An upstream fault after output had started: `output` is what was streamed, its open items
+    ended `incomplete`. The fault itself is the cause (`__cause__`); message, status and code are its."""
+
+    def __init__(self, cause: UpstreamError, output: list[dict[str, object]]) -> None:
+        super().__init__(cause.message, cause.status)
+        self.output = output
+        self.cause = cause
+
+    @property
+    def code(self) -> str:
+        return self.cause.code
+
+
+# --- control signals: they end an attempt, and never reach a client -----------------------------
+
+
+class FencedOutError(Exception):
+    """Another attempt holds the response now: this one must write nothing more."""
+
+
+class CancelRequestedError(Exception):
+    """A cancel was requested for the response this attempt is running."""
+
+
+class ConfigError(ValueError):
+    """The routing configuration is unusable; raised at start, never per request."""

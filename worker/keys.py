@@ -56,6 +56,16 @@ def streams_key(owner: str) -> str:
     return f"{PREFIX}:quota:{{{owner}}}:streams"
 
 
+def sweep_lock_key(queue: str) -> str:
+    """Held (PX) by the one worker sweeping `queue`'s orphans now (worker/runner/recovery.py)."""
+    return f"{PREFIX}:sweep:{queue}"
+
+
+def sweep_cursor_key(queue: str) -> str:
+    """Where the last sweep of `queue`'s queued rows stopped: `[created_at, response_id]` as JSON."""
+    return f"{PREFIX}:sweep:{queue}:queued"
+
+
 def wake_key(process_id: str) -> str:
     """An API process's private wake-up stream, read in the same XREAD as the streams it relays."""
     return f"{PREFIX}:tailer:{process_id}"

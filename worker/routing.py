@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from worker.errors import ModelNotFoundError
+from worker.errors import ConfigError, ModelNotFoundError
 from worker.settings import Settings
 
 SYNTHETIC = "synthetic"
@@ -31,10 +31,6 @@ class UpstreamApi(StrEnum):
     CHAT = "chat"
     RESPONSES = "responses"
     SYNTHETIC = "synthetic"
-
-
-class ConfigError(ValueError):
-    """The routing configuration is unusable; raised at start, never per request."""
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import ModelNotFoundError
-from worker.routing import ConfigError, UpstreamApi, load_routes
+from worker.errors import ConfigError, ModelNotFoundError
+from worker.routing import UpstreamApi, load_routes
 from worker.settings import Settings
 
 

@@ -15,13 +15,10 @@ from enum import IntEnum
 from typing import Any, cast
 
 import orjson
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.connection import HiredisRespSerializer
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from worker.errors import FencedOutError
 from worker.events.lease import Lease
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 from worker.protocol.response import TERMINAL_EVENTS
@@ -95,44 +92,6 @@ class AppendResult(IntEnum):
     CANCEL_REQUESTED = 1
 
 
-def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
-    """A client whose pool makes a burst wait for a free connection instead of failing, and whose
-    every connect and reply gives up after `timeout_seconds`: a hung Redis is an error, not a hang.
-    So never a blocking read (XREAD BLOCK) longer than that: such a read needs a client of its own.
-
-    A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
-    each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
-    """
-    pool = BlockingConnectionPool.from_url(
-        redis_url,
-        max_connections=max_connections,
-        timeout=30,
-        socket_connect_timeout=timeout_seconds,
-        socket_timeout=timeout_seconds,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-    )
-    return Redis(connection_pool=hiredis_packing(pool))
-
-
-class _HiredisPacking:
-    """Commands packed by hiredis (C), as redis-py's sync client already does; its asyncio client
-    packs them in Python, which was a tenth of a worker's CPU under streaming load (py-spy)."""
-
-    _packer = HiredisRespSerializer()
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        packed: list[bytes] = self._packer.pack(*args)
-        return packed
-
-
-def hiredis_packing[Pool: ConnectionPool](pool: Pool) -> Pool:
-    """`pool`, its connections (TCP, Unix socket or TLS, as its URL said) packing with hiredis."""
-    base = pool.connection_class
-    if not issubclass(base, _HiredisPacking):
-        pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
-    return pool
-
-
 def entry_id(sequence_number: int) -> str:
     return f"0-{sequence_number + 1}"
 
@@ -195,20 +154,16 @@ class StartedOver:
 
 async def start_over(redis: Redis, lease: Lease) -> StartedOver | None:
     """Drop the output of the response's earlier attempts from its stream, unless a relay has read it
-    (None then). Raises `FencedOut` unless `lease` still holds."""
+    (None then). Raises `FencedOutError` unless `lease` still holds."""
     rid = lease.response_id
     keys = [lease_key(rid), events_key(rid), observed_key(rid)]
     result = await redis.eval(_START_OVER, 3, *keys, lease.value)
     if result == -1:
-        raise FencedOut(rid)
+        raise FencedOutError(rid)
     if result == -2:
         return None
     kept, last_type = result
     return StartedOver(int(kept), last_type.decode() if last_type else None)
-
-
-class FencedOut(Exception):
-    """Another attempt holds the response now: this one must write nothing more."""
 
 
 async def last_event(redis: Redis, response_id: str) -> Event | None:
@@ -239,7 +194,7 @@ class EventLog:
     """
 
     def __init__(self, redis: Redis, on_append: Callable[[int], object] | None = None) -> None:
-        self._redis = redis
+        self.redis = redis
         self._on_append = on_append  # told how many events each successful append added
         self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
         self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
@@ -268,7 +223,7 @@ class EventLog:
             # A Redis that restarted (or flushed its scripts) ran none of those: load it, send them again.
             missing = [index for index, result in enumerate(results) if isinstance(result, NoScriptError)]
             if missing:
-                await self._redis.script_load(_FENCED_APPEND)
+                await self.redis.script_load(_FENCED_APPEND)
                 again = await self._execute([batch[index] for index in missing])
                 for index, result in zip(missing, again, strict=True):
                     results[index] = result
@@ -290,7 +245,7 @@ class EventLog:
     ) -> list[Any]:
         """One pipeline of EVALSHAs (redis-py's script objects would add a SCRIPT EXISTS round trip
         to every pipeline); an append that failed is its exception in the list."""
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             for lease, events, _ in batch:
                 args: list[str | bytes] = [lease.value]
                 for event in events:

@@ -14,18 +14,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease
-from worker.events.stream import AppendResult, Event, EventLog, FencedOut, encode
+from worker.events.stream import AppendResult, Event, EventLog, encode, expire_response
 from worker.translation import coalesce
 
 log = logging.getLogger("respool.runner")
 
 # Events after which no output has reached a client yet: a new attempt may still generate.
 BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_progress"})
-
-
-class CancelRequested(Exception):
-    """A cancel was requested for the response this attempt is running."""
 
 
 class ResponseWriter:
@@ -39,8 +36,13 @@ class ResponseWriter:
     per batch, not per chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
     """
 
+    @classmethod
+    def after(cls, log_: EventLog, lease: Lease, last: Event | None, patience: float = 0.0) -> ResponseWriter:
+        """A writer that appends after `last`, the stream's newest event (None: an empty stream)."""
+        return cls(log_, lease, next_sequence_after(last), patience)
+
     def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
-        self._log = log_
+        self.log = log_
         self.lease = lease
         self.next_sequence = next_sequence
         self.patience = patience
@@ -88,7 +90,7 @@ class ResponseWriter:
             await self.emit(events)
 
     async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
-        """Append `events`; raise `FencedOut`, or `CancelRequested` (unless this is the final append)."""
+        """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the final append)."""
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded)
         # Only once they landed: a writer that goes on after a failed append must leave no gap.
@@ -96,15 +98,15 @@ class ResponseWriter:
         if self.first_output_at is None and any(_is_output(event) for event in encoded):
             self.first_output_at = time.monotonic()
         if result is AppendResult.FENCED:
-            raise FencedOut(self.lease.response_id)
+            raise FencedOutError(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:
-            raise CancelRequested(self.lease.response_id)
+            raise CancelRequestedError(self.lease.response_id)
 
     async def _append(self, encoded: list[Event]) -> AppendResult:
         deadline, delay = time.monotonic() + self.patience, 0.1
         while True:
             try:
-                return await self._log.append(self.lease, encoded)
+                return await self.log.append(self.lease, encoded)
             except RedisResponseError as exc:
                 # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
                 # first, so only we can have written these numbers: a try whose reply was lost (ours,
@@ -123,6 +125,23 @@ class ResponseWriter:
 def _is_output(event: Event) -> bool:
     """Whether the event tells something the model said (no lifecycle event, no ending)."""
     return event.type not in BEFORE_OUTPUT and not event.is_terminal
+
+
+def next_sequence_after(last: Event | None) -> int:
+    """The number of the event that follows `last` (None: the first)."""
+    return 0 if last is None else last.sequence_number + 1
+
+
+async def end_stream(
+    writer: ResponseWriter, response: dict[str, Any], last: Event | None, ttl_seconds: int
+) -> None:
+    """End the stream with `response`'s terminal event unless `last`, its newest event, already is
+    one; then start its retention clock. The writer's lease must be held."""
+    if last is None or not last.is_terminal:
+        if last is not None:  # an append of an abandoned batch may have landed after the writer counted
+            writer.next_sequence = next_sequence_after(last)
+        await writer.emit([terminal_event(response)], final=True)
+    await expire_response(writer.log.redis, writer.lease.response_id, ttl_seconds)
 
 
 def terminal_event(response: dict[str, Any]) -> dict[str, Any]:

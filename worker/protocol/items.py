@@ -9,17 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from worker.errors import InvalidRequestError, ToolOutputMissingError, UnsupportedParameterError
-from worker.ids import new_id
+from worker.ids import new_item_id
 
 ROLES = {"user", "system", "developer", "assistant"}
 INPUT_PARTS = {"input_text", "input_image", "input_file"}
 ASSISTANT_PARTS = {"output_text", "refusal"}
-ID_PREFIX = {
-    "message": "msg",
-    "function_call": "fc",
-    "function_call_output": "fco",
-    "reasoning": "rs",
-}
 
 
 def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -47,7 +41,7 @@ def _normalize_item(item: dict[str, Any], param: str) -> dict[str, Any]:
     elif kind == "function_call_output":
         _require(item, param, "call_id", "output")
     normalized = {**item, "type": kind}
-    normalized.setdefault("id", new_id(ID_PREFIX.get(kind, "item")))
+    normalized.setdefault("id", new_item_id(kind))
     if kind in {"function_call", "function_call_output"}:
         normalized.setdefault("status", "completed")
     return normalized
@@ -63,7 +57,7 @@ def _message(
         )
     parts = _content_parts(str(role), content, where)
     message = {**(item or {}), "type": "message", "role": role, "content": parts}
-    message["id"] = item_id if isinstance(item_id, str) else new_id("msg")
+    message["id"] = item_id if isinstance(item_id, str) else new_item_id("message")
     message.setdefault("status", "completed")
     return message
 

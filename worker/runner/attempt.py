@@ -16,24 +16,22 @@ from functools import partial
 from typing import Any
 
 from worker import logs
-from worker.errors import RespoolError
+from worker.errors import CancelRequestedError, FencedOutError, MidStreamError, UpstreamError, redact
 from worker.events.lease import Lease
 from worker.events.stream import (
-    Event,
-    FencedOut,
     expire_response,
     last_event,
     read_events,
     start_over,
 )
-from worker.events.writer import BEFORE_OUTPUT, CancelRequested, ResponseWriter, terminal_event
+from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.postgres import store
 from worker.protocol.response import TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.runner.synthetic import synthetic_chunks
-from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, UpstreamError, redact, stream_json
+from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, stream_json
 from worker.settings import Settings
 from worker.translation import chat_request, chat_stream, native, output
 
@@ -43,18 +41,6 @@ WORKER_LOST = (
     "The worker running this response stopped after it had started streaming output; running it "
     "again would repeat that output, so it was ended here. Retry the request."
 )
-
-
-class UpstreamFailed(Exception):
-    """The upstream failed after output had started: `output` is what was streamed, ended `incomplete`."""
-
-    def __init__(self, message: str, output_: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.output = output_
-
-
-# What the upstream can do wrong: each ends the response `failed` with its message.
-_UPSTREAM_FAULTS = (UpstreamError, native.NativeFailure, RespoolError)
 
 
 async def run_response(rt: Runtime, response_id: str) -> RunEnd:
@@ -69,7 +55,7 @@ async def run_response(rt: Runtime, response_id: str) -> RunEnd:
     try:
         await _run_attempt(rt, lease)
         return RunEnd.FINISHED
-    except FencedOut:
+    except FencedOutError:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
         return RunEnd.FENCED
     except asyncio.CancelledError:
@@ -110,7 +96,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
         last = await last_event(rt.redis, lease.response_id)
         if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
             return
-        writer = ResponseWriter(rt.log, lease, last.sequence_number + 1, rt.leases.ttl_seconds)
+        writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
         final = failed(
             stored.response, "The server had an error while running this response.", int(time.time())
         )
@@ -130,9 +116,7 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
         last_read.cancel()
         raise
     last = await last_read
-    writer = ResponseWriter(
-        rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
-    )
+    writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
     if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
         await _end_as_stored(rt, writer)
         return
@@ -181,7 +165,7 @@ async def _produce(
         if not announced:  # appended while the upstream call starts
             writer.send([{"type": "response.in_progress", "response": response}])
         outcome = await _generate(rt, writer, stored)
-    except CancelRequested:
+    except CancelRequestedError:
         rt.metrics.cancels.inc()
         return None
     except asyncio.CancelledError:
@@ -190,15 +174,15 @@ async def _produce(
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         rt.metrics.cancels.inc()
         return None
-    except (UpstreamFailed, *_UPSTREAM_FAULTS) as exc:
+    except UpstreamError as exc:
         await writer.settle()  # what was sent lands before the failure is told
         # An upstream (or a proxy before it) may quote the key it was sent, in any failure it reports.
         reason = redact(str(exc), rt.routes.api_key_of(stored.request["model"]))
         log.info("response %s failed: %s", stored.id, reason)
         rt.metrics.upstream_errors.labels(_fault_kind(exc)).inc()
-        streamed = exc.output if isinstance(exc, UpstreamFailed) else []
+        streamed = exc.output if isinstance(exc, MidStreamError) else []
         message = f"The upstream model failed: {reason}"
-        return failed(response, message, int(time.time()), code=_error_code(exc), output=streamed)
+        return failed(response, message, int(time.time()), code=exc.code, output=streamed)
     finally:
         rt.generating.discard(stored.id)
         await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
@@ -258,7 +242,7 @@ async def _translate(
             async for payload in payloads:
                 writer.send(translate(payload))
         events, outcome = finish()
-    except _UPSTREAM_FAULTS as exc:
+    except UpstreamError as exc:
         await writer.drain()
         raise await _fail_mid_stream(writer, out, exc) from exc
     except BaseException:
@@ -274,10 +258,10 @@ async def _emit(writer: ResponseWriter, events: list[dict[str, Any]]) -> None:
         await writer.emit(events)
 
 
-async def _fail_mid_stream(writer: ResponseWriter, out: output.Output, exc: Exception) -> UpstreamFailed:
+async def _fail_mid_stream(writer: ResponseWriter, out: output.Output, exc: UpstreamError) -> MidStreamError:
     """End the items the upstream had opened as `incomplete`, so the stream adds up to the failed Response."""
     await _emit(writer, output.close_open(out, "incomplete"))
-    return UpstreamFailed(str(exc), output.output_items(out))
+    return MidStreamError(exc, output.output_items(out))
 
 
 async def _finish(
@@ -300,16 +284,9 @@ def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> Non
         metrics.first_event.observe(writer.first_output_at - writer.started_at)
 
 
-def _error_code(exc: Exception) -> str:
-    """The failed Response's `error.code`: what an upstream's refusal says (its model not found, our
-    key refused), else `server_error`."""
-    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) else exc
-    return cause.code if isinstance(cause, UpstreamError) else "server_error"
-
-
-def _fault_kind(exc: Exception) -> str:
+def _fault_kind(exc: UpstreamError) -> str:
     """A small label set: `http_<status>` for an upstream that answered, else the fault's class."""
-    cause = exc.__cause__ if isinstance(exc, UpstreamFailed) and exc.__cause__ is not None else exc
+    cause = exc.cause if isinstance(exc, MidStreamError) else exc
     status = getattr(cause, "status", None)
     return f"http_{status}" if status else type(cause).__name__
 
@@ -318,19 +295,8 @@ async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
     """Another outcome (a cancel) won in Postgres: end the stream with what is stored there."""
     stored = await _patiently(rt, partial(_read, rt, writer.lease.response_id))
     if stored is not None and stored.status in TERMINAL:
-        await _ensure_terminal(rt, writer, stored.response, await last_event(rt.redis, stored.id))
-
-
-async def _ensure_terminal(
-    rt: Runtime, writer: ResponseWriter, response: dict[str, Any], last: Event | None
-) -> None:
-    """Append the terminal event unless the stream already ends with one (the caller holds the lease)."""
-    if last is not None and last.is_terminal:
-        return
-    if last is not None:  # an append of an abandoned batch may have landed after the writer counted
-        writer.next_sequence = last.sequence_number + 1
-    await writer.emit([terminal_event(response)], final=True)
-    await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+        last = await last_event(rt.redis, stored.id)
+        await end_stream(writer, stored.response, last, rt.stream_ttl_seconds)
 
 
 # --- Postgres, waited for -------------------------------------------------------------------------
@@ -392,10 +358,7 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
                 conn, response_id, failed(stored.response, message, int(time.time()))
             )
         last = await last_event(rt.redis, response_id)
-        writer = ResponseWriter(
-            rt.log, lease, 0 if last is None else last.sequence_number + 1, rt.leases.ttl_seconds
-        )
-        await _end_as_stored(rt, writer)
+        await _end_as_stored(rt, ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds))
         return bool(won)
     finally:
         await rt.leases.release(lease)

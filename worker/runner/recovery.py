@@ -21,7 +21,7 @@ from datetime import datetime
 import orjson
 from rq.job import JobStatus
 
-from worker.keys import PREFIX, lease_key
+from worker.keys import lease_key, sweep_cursor_key, sweep_lock_key
 from worker.postgres import store
 from worker.protocol.response import Status
 from worker.runner.attempt import end_response
@@ -52,7 +52,7 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     """One sweep, if no other process is sweeping; the number of responses it ended."""
     lock_ms = int(settings.maintenance_seconds * 1000)
     # One lock per queue: deployments sharing a Redis each sweep their own responses.
-    if not await rt.redis.set(f"{PREFIX}:sweep:{settings.queue}", rt.holder, nx=True, px=lock_ms):
+    if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
         return 0
     ended = await end_orphans(rt, settings, job_statuses)
     async with rt.engine.begin() as conn:
@@ -90,7 +90,7 @@ async def end_orphans(
         total += ended
         if after is None:
             break
-    cursor = f"{PREFIX}:sweep:{settings.queue}:queued"
+    cursor = sweep_cursor_key(settings.queue)
     after = _position(await rt.redis.get(cursor))
     for _ in range(pages):
         after, ended = await page(Status.QUEUED, after)

@@ -13,8 +13,9 @@ import httpx2
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from worker.connections import connect
 from worker.events.lease import Lease, Leases
-from worker.events.stream import EventLog, connect
+from worker.events.stream import EventLog
 from worker.postgres import store
 from worker.routing import Routes, load_routes
 from worker.runner.metrics import WorkerMetrics

@@ -5,10 +5,7 @@ httpx's exceptions and of HTTP error answers into `UpstreamError` (the httpx hab
 foreign exceptions once, at the boundary). The client is `httpx2`, the one the openai SDK itself
 uses: httpx 0.28's pool searched its connections at a cost that grew with their number (measured:
 150 short requests/s over 64 keep-alive connections on loopback, against 1,100 with httpx2).
-The tree:
-
-    UpstreamError               final: the response ends `failed` with its message
-    └── TransientUpstreamError  worth another attempt, if no payload was yielded yet
+Its errors (`UpstreamError`, `TransientUpstreamError`) are drawn in worker/errors.py.
 
 Rules:
 - every request is JSON with `content-type: application/json` (FastAPI-based servers, such as
@@ -48,6 +45,7 @@ from typing import Any
 import httpx2
 import orjson
 
+from worker.errors import TransientUpstreamError, UpstreamError
 from worker.routing import Route
 from worker.settings import Settings
 
@@ -56,52 +54,10 @@ log = logging.getLogger("respool.upstream")
 type Payload = dict[str, Any]
 
 CONNECT_SECONDS = 10.0
-REDACTED = "[redacted]"
 # httpx faults that say nothing about the request itself: another attempt may well succeed.
 # (LocalProtocolError, UnsupportedProtocol, ProxyError, DecodingError, TooManyRedirects, SSEError:
 # it won't.)
 _TRANSIENT_FAULTS = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)
-
-
-# What a refusal by the upstream tells a client (a failed Response's `error.code`), by HTTP status.
-_CODES = {401: "upstream_unauthorized", 403: "upstream_forbidden", 404: "model_not_found"}
-
-
-class UpstreamError(Exception):
-    """The upstream refused or broke the request; `status` is its HTTP status, if it answered."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-    @property
-    def code(self) -> str:
-        """The failed Response's `error.code`: what the upstream's refusal says, else `server_error`."""
-        return _CODES.get(self.status or 0, "server_error")
-
-    def redact(self, secret: str) -> UpstreamError:
-        """Cut `secret` out of the message, in place; returns self."""
-        self.message = redact(self.message, secret)
-        self.args = (self.message, *self.args[1:])
-        return self
-
-
-def redact(text: str, secret: str) -> str:
-    """`text` with every `secret` in it replaced by `[redacted]`."""
-    return text.replace(secret, REDACTED) if secret else text
-
-
-class TransientUpstreamError(UpstreamError):
-    """A fault another attempt may not meet; `retry_after` is the upstream's wait hint in seconds."""
-
-    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message, status)
-        self.retry_after = retry_after
-
-    def gave_up(self, attempts: int) -> UpstreamError:
-        """The final error once `attempts` attempts all failed, this one last."""
-        return UpstreamError(f"{self.message}; gave up after {attempts} attempts", self.status)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from rq.utils import now
 from rq.worker import BaseWorker
 
 from worker import logs
+from worker.connections import sync_client
 from worker.keys import cancel_key
 from worker.postgres.store import is_unreachable
 from worker.queue import job_statuses, response_queue
@@ -326,7 +327,7 @@ def run_worker(settings: Settings, concurrency: int) -> None:
     # RQ's loop (this thread) waits for the GIL after each Redis reply while the responses' event
     # loop runs; the default 5 ms switch interval would add up to 5 ms to each of its round trips.
     sys.setswitchinterval(0.0005)
-    connection = SyncRedis.from_url(settings.redis_url)
+    connection = sync_client(settings.redis_url)
     # RQ's own lines (registry cleaning every few seconds, three a job) only from `debug` on.
     ResponseWorker(settings, connection, concurrency).work(
         logging_level=logs.chatty_level(settings.log_level)

@@ -16,8 +16,8 @@ from rq import Queue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.events.lease import Leases
-from worker.events.stream import EventLog, expire_response, last_event
-from worker.events.writer import ResponseWriter, terminal_event
+from worker.events.stream import EventLog, last_event
+from worker.events.writer import ResponseWriter, end_stream
 from worker.ids import new_id
 from worker.keys import cancel_key
 from worker.outages import database_outage, redis_outage
@@ -72,10 +72,7 @@ class Cancellation:
             return  # a worker holds it and will end the stream itself
         try:
             last = await last_event(self.redis, response_id)
-            if last is None or not last.is_terminal:
-                next_sequence = 0 if last is None else last.sequence_number + 1
-                writer = ResponseWriter(self.log, lease, next_sequence)
-                await writer.emit([terminal_event(response)], final=True)
-            await expire_response(self.redis, response_id, self.settings.stream_ttl_seconds)
+            writer = ResponseWriter.after(self.log, lease, last)
+            await end_stream(writer, response, last, self.settings.stream_ttl_seconds)
         finally:
             await self.leases.release(lease)

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import logs
+from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -31,7 +32,6 @@ from worker.errors import (
 )
 from worker.events.stream import (
     Event,
-    connect,
     encode,
     last_event,
     read_events,
@@ -48,7 +48,7 @@ from worker.routing import Route, Routes, UpstreamApi, load_routes
 from worker.service import chains
 from worker.service.cancellation import Cancellation
 from worker.service.quota import Quotas, StreamSlot
-from worker.service.tailer import TAILER_BLOCK_MS, Tailer, blocking_client
+from worker.service.tailer import TAILER_BLOCK_MS, Tailer
 from worker.settings import Settings
 from worker.translation import chat_request
 
@@ -87,7 +87,10 @@ class ResponseService:
         # A finished response's terminal event is waited for past its writer's lease (see `follow`).
         finishing = settings.lease_seconds + 5
         self.tailer = Tailer(
-            redis, blocking_client(settings), block_ms=TAILER_BLOCK_MS, finishing_seconds=finishing
+            redis,
+            blocking_client(settings.redis_url, TAILER_BLOCK_MS / 1000, settings.redis_timeout_seconds),
+            block_ms=TAILER_BLOCK_MS,
+            finishing_seconds=finishing,
         )
         self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
         self.quotas = Quotas(redis, settings)
@@ -99,9 +102,7 @@ class ResponseService:
         )
         timeout = settings.redis_timeout_seconds
         redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
-        sync_redis = SyncRedis.from_url(
-            settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout
-        )
+        sync_redis = sync_client(settings.redis_url, timeout)
         return cls(settings, engine, redis, sync_redis)
 
     async def start(self) -> None:

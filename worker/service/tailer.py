@@ -30,13 +30,11 @@ from worker.events.stream import (
     Event,
     decode_entry,
     entry_id,
-    hiredis_packing,
     last_event,
     read_events,
     read_events_observed,
 )
 from worker.keys import events_key, wake_key
-from worker.settings import Settings
 
 log = logging.getLogger("respool.tailer")
 
@@ -206,17 +204,3 @@ class Tailer:
                 if event.sequence_number > subscriber.position:
                     subscriber.queue.put_nowait(event)
                     subscriber.position = event.sequence_number
-
-
-def blocking_client(settings: Settings) -> Redis:
-    """The tailer's own connection: its reads block up to TAILER_BLOCK_MS, so its read timeout is
-    that plus the usual one (a shorter one would cut every idle XREAD short)."""
-    timeout = settings.redis_timeout_seconds
-    client = Redis.from_url(
-        settings.redis_url,
-        max_connections=1,
-        socket_connect_timeout=timeout,
-        socket_timeout=TAILER_BLOCK_MS / 1000 + timeout,
-    )
-    hiredis_packing(client.connection_pool)
-    return client

@@ -35,9 +35,9 @@ from typing import Any, Literal
 
 import orjson
 
-from worker.errors import RespoolError
+from worker.errors import UpstreamStreamError
 from worker.translation import output
-from worker.translation.output import Event, Output
+from worker.translation.output import EventBody, Output
 
 # PROTOCOL.md §1.2: `incomplete_details.reason` per chat `finish_reason` that ends a response early.
 _INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -76,7 +76,7 @@ def start_stream(
     )
 
 
-def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[Event]:
+def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[EventBody]:
     """The events one `chat.completion.chunk` adds (often none)."""
     if chunk.get("usage"):
         state.usage = responses_usage(chunk["usage"])
@@ -96,7 +96,7 @@ def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[Event]:
     return events
 
 
-def finish_stream(state: ChatStream) -> tuple[list[Event], Outcome]:
+def finish_stream(state: ChatStream) -> tuple[list[EventBody], Outcome]:
     """The `.done` events of every item still open, and the outcome."""
     reason = _INCOMPLETE_REASONS.get(state.finish_reason or "")
     if reason is None:
@@ -122,7 +122,7 @@ def _cut_call_reason(state: ChatStream) -> str | None:
     if limit is not None and (state.usage is None or int(used or 0) >= limit):
         return "max_output_tokens"
     arguments = "".join(malformed.arguments)
-    raise RespoolError(
+    raise UpstreamStreamError(
         f"The model ended its call of '{malformed.fields['name']}' with arguments that are not valid "
         f"JSON: {arguments[:200]!r}."
     )
@@ -142,7 +142,7 @@ def _has_malformed_arguments(item: output.Item) -> bool:
 # --- one function per kind of delta -------------------------------------------------------------
 
 
-def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[Event]:
+def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[EventBody]:
     # llama.cpp and vLLM before its rename send `reasoning_content`, vLLM after it and Ollama
     # `reasoning`; vLLM releases in between sent both with the same text (vllm-project/vllm#27752),
     # so one is read, never both.
@@ -150,7 +150,7 @@ def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[Event]:
     return output.append_text(state.output, "reasoning", "reasoning_text", text)
 
 
-def _on_content(state: ChatStream, delta: dict[str, Any], logprobs: dict[str, Any] | None) -> list[Event]:
+def _on_content(state: ChatStream, delta: dict[str, Any], logprobs: dict[str, Any] | None) -> list[EventBody]:
     tokens = ((logprobs or {}).get("content") or []) if state.include_logprobs else []
     return output.append_text(
         state.output,
@@ -161,12 +161,12 @@ def _on_content(state: ChatStream, delta: dict[str, Any], logprobs: dict[str, An
     )
 
 
-def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[Event]:
+def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[EventBody]:
     index = tool_call.get("index") or 0
     function = tool_call.get("function") or {}
     name, arguments, call_id = function.get("name"), function.get("arguments"), tool_call.get("id")
     item = output.call(state.output, index)
-    events: list[Event] = []
+    events: list[EventBody] = []
     is_new_call = call_id and state.call_ids.get(index) and call_id != state.call_ids[index]
     if item is None or is_new_call:
         if not (call_id or name):
@@ -180,11 +180,11 @@ def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[Event]:
     return events + output.append_arguments(item, arguments)
 
 
-def _orphan_arguments(index: int, arguments: str | None) -> list[Event]:
+def _orphan_arguments(index: int, arguments: str | None) -> list[EventBody]:
     """Arguments for a call that never started or has ended: nothing if empty, else a failure."""
     if not arguments:
         return []
-    raise RespoolError(f"The upstream streamed arguments for tool call {index} outside of that call.")
+    raise UpstreamStreamError(f"The upstream streamed arguments for tool call {index} outside of that call.")
 
 
 # --- shapes -------------------------------------------------------------------------------------

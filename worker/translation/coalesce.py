@@ -8,9 +8,7 @@ vary in size). At a steady pace each delta goes alone, with no delay; under load
 
 from __future__ import annotations
 
-from typing import Any
-
-type Event = dict[str, Any]
+from worker.translation.output import EventBody
 
 MERGEABLE = frozenset(
     {
@@ -25,9 +23,9 @@ MERGEABLE = frozenset(
 _JOINED = frozenset({"delta", "logprobs"})
 
 
-def merge_deltas(events: list[Event]) -> list[Event]:
+def merge_deltas(events: list[EventBody]) -> list[EventBody]:
     """`events`, each run of deltas of one part joined into one."""
-    merged: list[Event] = []
+    merged: list[EventBody] = []
     for event in events:
         if merged and _same_part(merged[-1], event):
             merged[-1] = _joined(merged[-1], event)
@@ -36,14 +34,14 @@ def merge_deltas(events: list[Event]) -> list[Event]:
     return merged
 
 
-def _same_part(first: Event, second: Event) -> bool:
+def _same_part(first: EventBody, second: EventBody) -> bool:
     if first["type"] != second["type"] or first["type"] not in MERGEABLE:
         return False
     keys = (first.keys() | second.keys()) - _JOINED
     return all(first.get(key) == second.get(key) for key in keys)
 
 
-def _joined(first: Event, second: Event) -> Event:
+def _joined(first: EventBody, second: EventBody) -> EventBody:
     joined = {**first, "delta": first["delta"] + second["delta"]}
     if "logprobs" in first or "logprobs" in second:
         joined["logprobs"] = [*(first.get("logprobs") or []), *(second.get("logprobs") or [])]

@@ -34,7 +34,7 @@ Stream rules (upstream event => what respool tells):
   respool's `item_id` and `output_index`
 - `response.completed` / `.incomplete` => the outcome (status, incomplete_details, usage with
   every count PROTOCOL.md §1.4 requires); the output is respool's own
-- `response.failed` / `error` => `NativeFailure` with the upstream's message
+- `response.failed` / `error` => `UpstreamStreamError` with the upstream's message
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.errors import UpstreamStreamError
 from worker.translation import output
 from worker.translation.chat_stream import Outcome
-from worker.translation.output import Event, Item, Output
+from worker.translation.output import EventBody, Item, Output
 
 _NOT_FORWARDED = {
     "background",
@@ -74,10 +75,6 @@ _TEXT_DONES = {
 }
 
 
-class NativeFailure(Exception):
-    """The upstream ended the response as failed, or sent an `error` event."""
-
-
 @dataclass
 class NativeStream:
     """The state of one native stream: respool's output, and the upstream's item ids mapped onto it."""
@@ -103,7 +100,7 @@ def _strip(item: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in item.items() if key not in {"id", "status"}}
 
 
-def translate_event(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def translate_event(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     """respool's events for one upstream event (often none)."""
     kind = str(event.get("type", ""))
     if kind in _IGNORED:
@@ -112,7 +109,7 @@ def translate_event(state: NativeStream, event: dict[str, Any]) -> list[Event]:
         state.outcome = _outcome(state, event.get("response") or {})
         return []
     if kind in {"response.failed", "error"}:
-        raise NativeFailure(_failure_message(event))
+        raise UpstreamStreamError(_failure_message(event))
     handler = _HANDLERS.get(kind)
     if handler is not None:
         return handler(state, event)
@@ -123,13 +120,13 @@ def translate_event(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return _on_other(state, event)
 
 
-def finish_stream(state: NativeStream) -> tuple[list[Event], Outcome]:
+def finish_stream(state: NativeStream) -> tuple[list[EventBody], Outcome]:
     """The `.done` events of items the upstream left open, and the outcome.
 
     An upstream stream that ended without a terminal event is a failure.
     """
     if state.outcome is None:
-        raise NativeFailure("the upstream's stream ended before the response was complete")
+        raise UpstreamStreamError("the upstream's stream ended before the response was complete")
     events = output.close_open(state.output, state.outcome.status)
     outcome = Outcome(
         status=state.outcome.status,
@@ -143,7 +140,7 @@ def finish_stream(state: NativeStream) -> tuple[list[Event], Outcome]:
 # --- one function per kind of upstream event ----------------------------------------------------
 
 
-def _on_item_added(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_item_added(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item = event.get("item") or {}
     kind, upstream_id = str(item.get("type", "")), _item_id(event)
     if kind == "function_call":
@@ -164,7 +161,7 @@ def _on_item_added(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return events
 
 
-def _on_part_added(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_part_added(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     part_type = str((event.get("part") or {}).get("type") or "output_text")
     item_type = _known_type(state, event) or ("reasoning" if part_type == "reasoning_text" else "message")
     if item_type == "reasoning":
@@ -175,7 +172,7 @@ def _on_part_added(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return events + output.start_part(state.output, item_type, part_type)
 
 
-def _on_text_delta(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_text_delta(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item_type, part_type = _TEXT_DELTAS[str(event["type"])]
     delta = event.get("delta")
     text = delta.get("content") if isinstance(delta, dict) else delta  # vLLM's older object form
@@ -184,7 +181,7 @@ def _on_text_delta(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return events + output.append_text(state.output, item_type, part_type, text, logprobs)
 
 
-def _on_text_done(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_text_done(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item_type, part_type, text_field = _TEXT_DONES[str(event["type"])]
     item = _known_item(state, event)
     whole = str(event.get(text_field) or "")
@@ -196,22 +193,22 @@ def _on_text_done(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return events + output.append_text(state.output, item_type, part_type, whole[len(said) :])
 
 
-def _on_summary_part_added(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_summary_part_added(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     events = _follow(state, event, "reasoning")
     return events + output.append_summary(state.output, None, new_part=True)
 
 
-def _on_summary_delta(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_summary_delta(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     events = _follow(state, event, "reasoning")
     return events + output.append_summary(state.output, event.get("delta"))
 
 
-def _on_arguments_delta(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_arguments_delta(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item = _call_for(state, event)
     return output.append_arguments(item, event.get("delta"))
 
 
-def _on_arguments_done(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_arguments_done(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item = _call_for(state, event)
     said, whole = "".join(item.arguments), str(event.get("arguments") or "")
     if whole.startswith(said) and whole != said:
@@ -219,14 +216,14 @@ def _on_arguments_done(state: NativeStream, event: dict[str, Any]) -> list[Event
     return []
 
 
-def _on_annotation(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_annotation(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     annotation = event.get("annotation")
     if not isinstance(annotation, dict):
         return []
     return _follow(state, event, "message") + output.add_annotation(state.output, annotation)
 
 
-def _on_item_done(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_item_done(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     given = event.get("item") or {}
     item = _done_item(state, event, given)
     if item is None:  # an item told only now, whole
@@ -254,20 +251,20 @@ def _done_item(state: NativeStream, event: dict[str, Any], given: dict[str, Any]
     return item if item is not None and item.type == given.get("type") else None
 
 
-def _fill_from(state: NativeStream, item: Item, given: dict[str, Any]) -> list[Event]:
+def _fill_from(state: NativeStream, item: Item, given: dict[str, Any]) -> list[EventBody]:
     """What a whole item at `.done` says that no delta did: its arguments, or its text."""
     if item.type == "function_call":
         return _on_arguments_done(state, {"item_id": item.id, "arguments": given.get("arguments")})
     if item.type != "message" or item.parts or not isinstance(given.get("content"), list):
         return []
-    events: list[Event] = []
+    events: list[EventBody] = []
     for part in given["content"]:
         kind = "refusal" if part.get("type") == "refusal" else "output_text"
         events += output.append_text(state.output, "message", kind, part.get("refusal") or part.get("text"))
     return events
 
 
-def _on_other(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _on_other(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     """An event of a hosted tool item: relayed re-addressed; of no known item: nothing."""
     item = state.items.get(str(event.get("item_id", "")))
     if item is None or item.body is None:
@@ -276,7 +273,7 @@ def _on_other(state: NativeStream, event: dict[str, Any]) -> list[Event]:
     return [{**relayed, **output.address(item)}]
 
 
-def _nothing(state: NativeStream, event: dict[str, Any]) -> list[Event]:
+def _nothing(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     """A `.done` whose content respool already told from the deltas, or tells at `output_item.done`."""
     return []
 
@@ -314,7 +311,7 @@ def _known_type(state: NativeStream, event: dict[str, Any]) -> str | None:
     return item.type if item is not None else None
 
 
-def _follow(state: NativeStream, event: dict[str, Any], item_type: str) -> list[Event]:
+def _follow(state: NativeStream, event: dict[str, Any], item_type: str) -> list[EventBody]:
     """Make the item the event names the open one of `item_type`, and remember it under its id.
 
     A known item that is still open stays; an id never announced continues the open item of that
@@ -325,7 +322,7 @@ def _follow(state: NativeStream, event: dict[str, Any], item_type: str) -> list[
     current = state.output.current
     if item is not None and item is current and item.type == item_type:
         return []
-    events: list[Event] = []
+    events: list[EventBody] = []
     if current is None or current.type != item_type or (item is not None and item is not current):
         events = output.start_item(state.output, item_type)
     state.items[upstream_id] = state.output.current  # type: ignore[assignment]
@@ -339,7 +336,7 @@ def _call_for(state: NativeStream, event: dict[str, Any]) -> Item:
     open_calls = [open_item for open_item in state.output.side.values() if open_item.type == "function_call"]
     if open_calls:
         return open_calls[-1]
-    raise NativeFailure("the upstream streamed function call arguments outside of any call")
+    raise UpstreamStreamError("the upstream streamed function call arguments outside of any call")
 
 
 def _outcome(state: NativeStream, response: dict[str, Any]) -> Outcome:

@@ -25,9 +25,11 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.ids import new_id
+from worker.ids import new_id, new_item_id
 
-Event = dict[str, Any]
+# An event as translation tells it: its JSON as a dict, not yet numbered (the numbered, encoded,
+# stored one is `worker.events.stream.Event`).
+EventBody = dict[str, Any]
 
 # PROTOCOL.md §4: per part type, the event type prefix of its deltas and the field its `.done`
 # event (and the part itself) carries the full text in.
@@ -41,7 +43,8 @@ PART_EVENTS = {
 # The fields of an item that this module owns; any other field a caller gives is kept as given.
 # `item_id` is no item field: vLLM's harmony tool calls put the upstream's own id there.
 _OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments", "item_id"})
-_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+# The item types this module models part by part (function calls are side items).
+_MODELLED = frozenset({"message", "reasoning", "function_call"})
 
 
 @dataclass
@@ -85,8 +88,8 @@ class Output:
 
 
 def append_text(
-    out: Output, item_type: str, part_type: str, text: str | None, logprobs: Iterable[Event] = ()
-) -> list[Event]:
+    out: Output, item_type: str, part_type: str, text: str | None, logprobs: Iterable[EventBody] = ()
+) -> list[EventBody]:
     """A delta of `part_type` text in the open `item_type` item, opening item and part as needed."""
     if not text:
         return []
@@ -95,7 +98,7 @@ def append_text(
     assert item is not None
     part = item.parts[-1]
     part.text.append(text)
-    delta: Event = {"type": f"{PART_EVENTS[part_type][0]}.delta", **address(item)}
+    delta: EventBody = {"type": f"{PART_EVENTS[part_type][0]}.delta", **address(item)}
     delta.update(content_index=len(item.parts) - 1, delta=text)
     if part_type == "output_text":
         tokens = list(logprobs)
@@ -104,18 +107,18 @@ def append_text(
     return [*events, delta]
 
 
-def start_item(out: Output, item_type: str, fields: dict[str, Any] | None = None) -> list[Event]:
+def start_item(out: Output, item_type: str, fields: dict[str, Any] | None = None) -> list[EventBody]:
     """Close every open item and open a new `item_type` one (an explicit boundary)."""
     # PROTOCOL.md §4.1: what was open is done once something else starts.
     events = close_open(out, "completed")
-    item = _new_item(out, {**_kept(fields), "id": new_id(_ID_PREFIXES[item_type]), "type": item_type})
+    item = _new_item(out, {**_kept(fields), "id": new_item_id(item_type), "type": item_type})
     if item_type == "message":
         item.fields.setdefault("role", "assistant")
     out.current = item
     return [*events, item_event("added", item)]
 
 
-def start_part(out: Output, item_type: str, part_type: str) -> list[Event]:
+def start_part(out: Output, item_type: str, part_type: str) -> list[EventBody]:
     """Open a new `part_type` part in the open `item_type` item, even if one of that type is open."""
     events = _ensure_item(out, item_type)
     item = out.current
@@ -123,7 +126,7 @@ def start_part(out: Output, item_type: str, part_type: str) -> list[Event]:
     return events + _open_part(item, part_type)
 
 
-def append_summary(out: Output, text: str | None, *, new_part: bool = False) -> list[Event]:
+def append_summary(out: Output, text: str | None, *, new_part: bool = False) -> list[EventBody]:
     """Reasoning summary text (PROTOCOL.md §4.1, "Reasoning (summaries)"); `new_part` starts the next summary."""
     events = _ensure_item(out, "reasoning")
     item = out.current
@@ -137,7 +140,7 @@ def append_summary(out: Output, text: str | None, *, new_part: bool = False) -> 
     return events
 
 
-def add_annotation(out: Output, annotation: dict[str, Any]) -> list[Event]:
+def add_annotation(out: Output, annotation: dict[str, Any]) -> list[EventBody]:
     """An annotation on the open output_text part (a citation, a file path)."""
     events = _ensure_part(out, "message", "output_text")
     item = out.current
@@ -152,7 +155,7 @@ def add_annotation(out: Output, annotation: dict[str, Any]) -> list[Event]:
 
 def open_call(
     out: Output, key: Hashable, call_id: str | None, name: str | None, fields: dict[str, Any] | None = None
-) -> list[Event]:
+) -> list[EventBody]:
     """Open a function call under `key`; an open call under the same key is done first."""
     events = close_current(out)
     if key in out.side:
@@ -161,7 +164,7 @@ def open_call(
         out,
         {
             **_kept(fields),
-            "id": new_id("fc"),
+            "id": new_item_id("function_call"),
             "type": "function_call",
             "call_id": call_id or new_id("call"),
             "name": name or "",
@@ -176,14 +179,14 @@ def call(out: Output, key: Hashable) -> Item | None:
     return out.side.get(key)
 
 
-def append_arguments(item: Item, arguments: str | None) -> list[Event]:
+def append_arguments(item: Item, arguments: str | None) -> list[EventBody]:
     if not arguments:
         return []
     item.arguments.append(arguments)
     return [{"type": "response.function_call_arguments.delta", **address(item), "delta": arguments}]
 
 
-def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[Event]:
+def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[EventBody]:
     """Open an item of a type this module does not model (a hosted tool call): its body is the caller's."""
     events = close_current(out)
     prefix = str(body.get("id") or "").partition("_")[0] or "item"
@@ -211,17 +214,17 @@ def update_fields(item: Item, fields: dict[str, Any]) -> None:
 # --- closing ------------------------------------------------------------------------------------
 
 
-def close_side(out: Output, key: Hashable, status: str = "completed") -> list[Event]:
+def close_side(out: Output, key: Hashable, status: str = "completed") -> list[EventBody]:
     item = out.side.pop(key, None)
     return close_item(item, status) if item else []
 
 
-def close_current(out: Output) -> list[Event]:
+def close_current(out: Output) -> list[EventBody]:
     item, out.current = out.current, None
     return close_item(item, "completed") if item else []
 
 
-def close_open(out: Output, status: str) -> list[Event]:
+def close_open(out: Output, status: str) -> list[EventBody]:
     """The `.done` events of every open item, in output order, each ending with `status`."""
     items = sorted(
         [*out.side.values(), *([out.current] if out.current else [])], key=lambda i: i.output_index
@@ -230,8 +233,8 @@ def close_open(out: Output, status: str) -> list[Event]:
     return [event for item in items for event in close_item(item, status)]
 
 
-def close_item(item: Item, status: str) -> list[Event]:
-    events: list[Event] = []
+def close_item(item: Item, status: str) -> list[EventBody]:
+    events: list[EventBody] = []
     if item.parts and item.parts[-1].is_open:
         events += _close_part(item, len(item.parts) - 1)
     events += _close_summary(item)
@@ -252,14 +255,14 @@ def output_items(out: Output) -> list[dict[str, Any]]:
 # --- internals ----------------------------------------------------------------------------------
 
 
-def _ensure_item(out: Output, item_type: str) -> list[Event]:
+def _ensure_item(out: Output, item_type: str) -> list[EventBody]:
     """The open item is of `item_type`, opened (the other one closed) as needed."""
     if out.current is not None and out.current.type == item_type:
         return []
     return start_item(out, item_type)
 
 
-def _ensure_part(out: Output, item_type: str, part_type: str) -> list[Event]:
+def _ensure_part(out: Output, item_type: str, part_type: str) -> list[EventBody]:
     events = _ensure_item(out, item_type)
     item = out.current
     assert item is not None
@@ -268,30 +271,30 @@ def _ensure_part(out: Output, item_type: str, part_type: str) -> list[Event]:
     return events
 
 
-def _open_part(item: Item, part_type: str) -> list[Event]:
+def _open_part(item: Item, part_type: str) -> list[EventBody]:
     events = _close_part(item, len(item.parts) - 1) if item.parts and item.parts[-1].is_open else []
     item.parts.append(Part(part_type))
     # PROTOCOL.md §0.4: `content_part.added` before any delta for its `content_index`.
     return [*events, _part_event("added", item, len(item.parts) - 1)]
 
 
-def _close_part(item: Item, index: int) -> list[Event]:
+def _close_part(item: Item, index: int) -> list[EventBody]:
     part = item.parts[index]
     part.is_open = False
     prefix, text_field = PART_EVENTS[part.type]
-    done: Event = {"type": f"{prefix}.done", **address(item), "content_index": index}
+    done: EventBody = {"type": f"{prefix}.done", **address(item), "content_index": index}
     done[text_field] = "".join(part.text)
     if part.type == "output_text":
         done["logprobs"] = list(part.logprobs)
     return [done, _part_event("done", item, index)]
 
 
-def _open_summary(item: Item) -> list[Event]:
+def _open_summary(item: Item) -> list[EventBody]:
     item.summary.append(Part("summary_text"))
     return [_summary_event("added", item)]
 
 
-def _close_summary(item: Item) -> list[Event]:
+def _close_summary(item: Item) -> list[EventBody]:
     if not item.summary or not item.summary[-1].is_open:
         return []
     part = item.summary[-1]
@@ -317,11 +320,11 @@ def _kept(fields: dict[str, Any] | None) -> dict[str, Any]:
 # --- shapes -------------------------------------------------------------------------------------
 
 
-def address(item: Item) -> Event:
+def address(item: Item) -> EventBody:
     return {"item_id": item.id, "output_index": item.output_index}
 
 
-def item_event(kind: str, item: Item) -> Event:
+def item_event(kind: str, item: Item) -> EventBody:
     return {
         "type": f"response.output_item.{kind}",
         "output_index": item.output_index,
@@ -329,12 +332,12 @@ def item_event(kind: str, item: Item) -> Event:
     }
 
 
-def _part_event(kind: str, item: Item, index: int) -> Event:
+def _part_event(kind: str, item: Item, index: int) -> EventBody:
     part = _part_body(item.parts[index])
     return {"type": f"response.content_part.{kind}", **address(item), "content_index": index, "part": part}
 
 
-def _summary_event(kind: str, item: Item) -> Event:
+def _summary_event(kind: str, item: Item) -> EventBody:
     index = len(item.summary) - 1
     where = {**address(item), "summary_index": index}
     return {
@@ -370,7 +373,7 @@ def _part_body(part: Part) -> dict[str, Any]:
 # --- rebuilding ---------------------------------------------------------------------------------
 
 
-def rebuild(events: Iterable[Event]) -> Output:
+def rebuild(events: Iterable[EventBody]) -> Output:
     """The output state that `events` (as told, in order) leave behind: the state a new attempt
     takes over from a dead one, to end what it had opened (DESIGN.md §4, "Orphans")."""
     out = Output()
@@ -379,13 +382,13 @@ def rebuild(events: Iterable[Event]) -> Output:
     return out
 
 
-def _replay_item_added(out: Output, event: Event) -> None:
+def _replay_item_added(out: Output, event: EventBody) -> None:
     given = dict(event["item"])
     item = Item(
         output_index=len(out.items), fields={**_kept(given), "id": given["id"], "type": given["type"]}
     )
     out.items.append(item)
-    if item.type in _ID_PREFIXES and item.type != "function_call":
+    if item.type in _MODELLED and item.type != "function_call":
         out.current = item
     else:
         if item.type != "function_call":
@@ -393,7 +396,7 @@ def _replay_item_added(out: Output, event: Event) -> None:
         out.side[item.id] = item
 
 
-def _replay_item_done(out: Output, event: Event) -> None:
+def _replay_item_done(out: Output, event: EventBody) -> None:
     item = _replayed(out, event)
     if item is None:
         return
@@ -409,25 +412,25 @@ def _replay_item_done(out: Output, event: Event) -> None:
     out.side.pop(item.id, None)
 
 
-def _replay_part_added(out: Output, event: Event) -> None:
+def _replay_part_added(out: Output, event: EventBody) -> None:
     item = _replayed(out, event)
     if item is not None:
         item.parts.append(Part(str(event["part"]["type"])))
 
 
-def _replay_summary_added(out: Output, event: Event) -> None:
+def _replay_summary_added(out: Output, event: EventBody) -> None:
     item = _replayed(out, event)
     if item is not None:
         item.summary.append(Part("summary_text"))
 
 
-def _replay_annotation(out: Output, event: Event) -> None:
+def _replay_annotation(out: Output, event: EventBody) -> None:
     item = _replayed(out, event)
     if item is not None and item.parts:
         item.parts[-1].annotations.append(event["annotation"])
 
 
-def _replay_delta(out: Output, event: Event) -> None:
+def _replay_delta(out: Output, event: EventBody) -> None:
     """A delta adds to its part (or a call's arguments); a part's `.done` closes it; others say nothing new."""
     item = _replayed(out, event)
     kind = str(event.get("type"))
@@ -447,7 +450,7 @@ def _replay_delta(out: Output, event: Event) -> None:
             parts[-1].is_open = False
 
 
-def _replayed(out: Output, event: Event) -> Item | None:
+def _replayed(out: Output, event: EventBody) -> Item | None:
     index = event.get("output_index")
     return out.items[index] if isinstance(index, int) and 0 <= index < len(out.items) else None
 

@@ -9,16 +9,15 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 
 from tests.support.stack import Servers
+from worker.connections import connect, hiredis_packing
+from worker.errors import FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import (
     AppendResult,
     EventLog,
-    FencedOut,
     StartedOver,
-    connect,
     encode,
     expire_response,
-    hiredis_packing,
     read_events,
     read_events_observed,
     start_over,
@@ -145,7 +144,7 @@ async def test_a_start_over_under_a_lost_lease_is_fenced(redis: Redis) -> None:
     response_id = f"resp_{uuid.uuid4().hex}"
     lease = await _stream_of(redis, response_id, LIFECYCLE + OUTPUT)
     await redis.delete(lease_key(response_id))
-    with pytest.raises(FencedOut):
+    with pytest.raises(FencedOutError):
         await start_over(redis, lease)
     assert len(await read_events(redis, response_id)) == 6
 

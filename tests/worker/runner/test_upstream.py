@@ -16,6 +16,7 @@ import httpx2
 import orjson
 import pytest
 
+from worker.errors import UpstreamError
 from worker.routing import Route, UpstreamApi
 from worker.runner import upstream
 from worker.runner.upstream import (
@@ -23,7 +24,6 @@ from worker.runner.upstream import (
     RESPONSES_STREAM,
     RetryPolicy,
     StreamKind,
-    UpstreamError,
     create_client,
     stream_json,
 )

@@ -12,8 +12,9 @@ import httpx2
 import orjson
 import pytest
 
+from worker.errors import UpstreamError, redact
 from worker.routing import Route, UpstreamApi
-from worker.runner.upstream import RetryPolicy, UpstreamError, create_client, redact, stream_json
+from worker.runner.upstream import RetryPolicy, create_client, stream_json
 
 KEY = "sk-upstream-key-0123456789"
 ROUTE = Route("m", UpstreamApi.CHAT, "http://upstream.test/v1", api_key_env="REDACTION_TEST_KEY")

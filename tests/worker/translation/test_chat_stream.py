@@ -12,7 +12,7 @@ from openai.types.responses import ResponseOutputItem, ResponseStreamEvent, Resp
 from pydantic import TypeAdapter
 
 from tests.support.schema import validate_event, validate_response
-from worker.errors import RespoolError
+from worker.errors import UpstreamStreamError
 from worker.translation.chat_stream import Outcome, finish_stream, start_stream, translate_chunk
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -356,7 +356,7 @@ def test_arguments_for_an_ended_call_fail_loudly() -> None:
     state = start_stream()
     translate_chunk(state, tool_chunk(0, "call_a", name="a"))
     translate_chunk(state, chunk({"content": "Done."}))
-    with pytest.raises(RespoolError, match="tool call 0"):
+    with pytest.raises(UpstreamStreamError, match="tool call 0"):
         translate_chunk(state, tool_chunk(0, arguments="{}"))
 
 
@@ -446,7 +446,7 @@ def test_a_call_with_malformed_arguments_otherwise_fails(
     max_output_tokens: int | None, usage_chunks: Events
 ) -> None:
     """Arguments that are not JSON with no token limit to blame are a failure naming the call, never `completed`."""
-    with pytest.raises(RespoolError, match=r"get_weather.*not valid JSON"):
+    with pytest.raises(UpstreamStreamError, match=r"get_weather.*not valid JSON"):
         run([*CUT_CALL, *usage_chunks], max_output_tokens=max_output_tokens)
 
 

@@ -15,9 +15,9 @@ from pydantic import TypeAdapter
 
 from tests.support.schema import validate_event, validate_response
 from tests.worker.translation.test_chat_stream import RESPONSE
+from worker.errors import UpstreamStreamError
 from worker.translation.chat_stream import Outcome
 from worker.translation.native import (
-    NativeFailure,
     NativeStream,
     finish_stream,
     to_responses_request,
@@ -253,12 +253,12 @@ def test_whole_text_at_done_without_deltas_is_told() -> None:
 
 
 def test_a_failed_upstream_raises_with_its_message_and_open_items_can_be_closed() -> None:
-    """`response.failed` mid-message raises NativeFailure; what was streamed closes as incomplete."""
+    """`response.failed` mid-message raises UpstreamStreamError; what was streamed closes as incomplete."""
     state = NativeStream()
     *streamed, failure = load("openai_failed_mid_message")
     for upstream in streamed:
         translate_event(state, upstream)
-    with pytest.raises(NativeFailure, match="The model had an error"):
+    with pytest.raises(UpstreamStreamError, match="The model had an error"):
         translate_event(state, failure)
     closing = close_open(state.output, "incomplete")
     assert [event["type"] for event in closing][-1] == "response.output_item.done"
@@ -274,14 +274,14 @@ def test_a_failed_upstream_raises_with_its_message_and_open_items_can_be_closed(
     ids=["no terminal event", "error event"],
 )
 def test_a_stream_without_an_outcome_fails(upstream: Events) -> None:
-    """A stream that ends without completing, or reports an error, is a NativeFailure, never a completed response."""
-    with pytest.raises(NativeFailure):
+    """A stream that ends without completing, or reports an error, is a UpstreamStreamError, never a completed response."""
+    with pytest.raises(UpstreamStreamError):
         run(upstream)
 
 
 def test_arguments_outside_any_call_fail_loudly() -> None:
     """Function call arguments for no call are an upstream fault, not silently dropped."""
-    with pytest.raises(NativeFailure, match="outside of any call"):
+    with pytest.raises(UpstreamStreamError, match="outside of any call"):
         run([{"type": "response.function_call_arguments.delta", "item_id": "x", "delta": "{}"}])
 
 

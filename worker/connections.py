@@ -1,0 +1,75 @@
+"""Every Redis client respool builds, in one place: each process's pooled asyncio client, a relay's
+blocking client, and RQ's synchronous one. Postgres engines are the store's (`worker.postgres.store`).
+
+Nothing connects here: a client connects on its first command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis import Redis as SyncRedis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+
+def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
+    """A client whose pool makes a burst wait for a free connection instead of failing, and whose
+    every connect and reply gives up after `timeout_seconds`: a hung Redis is an error, not a hang.
+    So never a blocking read (XREAD BLOCK) longer than that: such a read needs `blocking_client`.
+
+    A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
+    each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
+    """
+    pool = BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=max_connections,
+        timeout=30,
+        socket_connect_timeout=timeout_seconds,
+        socket_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+    return Redis(connection_pool=hiredis_packing(pool))
+
+
+def blocking_client(redis_url: str, block_seconds: float, timeout_seconds: float) -> Redis:
+    """One connection for reads that block up to `block_seconds` (the tailer's XREAD): its read
+    timeout is that plus `timeout_seconds` (a shorter one would cut every idle read short)."""
+    client = Redis.from_url(
+        redis_url,
+        max_connections=1,
+        socket_connect_timeout=timeout_seconds,
+        socket_timeout=block_seconds + timeout_seconds,
+    )
+    hiredis_packing(client.connection_pool)
+    return client
+
+
+def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRedis:
+    """RQ's synchronous client (its queue, registries and worker loop); `timeout_seconds` bounds each
+    connect and reply (None: RQ's own blocking pops need no bound)."""
+    return SyncRedis.from_url(
+        redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
+    )
+
+
+class _HiredisPacking:
+    """Commands packed by hiredis (C), as redis-py's sync client already does; its asyncio client
+    packs them in Python, which was a tenth of a worker's CPU under streaming load (py-spy)."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        packed: list[bytes] = self._packer.pack(*args)
+        return packed
+
+
+def hiredis_packing[Pool: ConnectionPool](pool: Pool) -> Pool:
+    """`pool`, its connections (TCP, Unix socket or TLS, as its URL said) packing with hiredis."""
+    base = pool.connection_class
+    if not issubclass(base, _HiredisPacking):
+        pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+    return pool
