@@ -117,13 +117,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 def run_migrate(settings: Settings) -> int:
     """`respool migrate`: the schema to its newest revision, once Postgres answers (within
     RESPOOL_DATABASE_WAIT_SECONDS); 1, saying why, if it never does."""
+    from worker.outages import is_postgres_outage
     from worker.postgres.migrate import migrate
-    from worker.postgres.store import is_unreachable
 
     try:
         migrate(settings.database_url, settings.database_wait_seconds)
     except Exception as exc:
-        if not is_unreachable(exc):
+        if not is_postgres_outage(exc):
             raise
         print(
             f"respool migrate: Postgres was not reachable within {settings.database_wait_seconds:g} s "

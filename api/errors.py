@@ -29,6 +29,7 @@ from worker.errors import (
     UnavailableAfterCommitError,
     UnavailableError,
 )
+from worker.outages import OUTAGE_CLASSES, as_unavailable
 
 log = logging.getLogger("respool.api")
 
@@ -105,8 +106,18 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+async def _outage(request: Request, exc: Exception) -> Response:
+    """The one place a backing server's outage becomes a 503 with `retry-after` (worker/outages.py);
+    any other error of Redis's or Postgres's is a 500 that the log explains."""
+    unavailable = as_unavailable(exc)
+    if unavailable is None:
+        return await _unexpected(request, exc)
+    log.warning("%s %s: %s (%s)", request.method, request.url.path, unavailable.message, type(exc).__name__)
+    return error_response(unavailable, _retry_after(request))
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(RespoolError("The server had an error while processing your request."))
 
 
@@ -142,5 +153,7 @@ def install(app: FastAPI, retry_after_seconds: int | None = None) -> None:
     app.add_exception_handler(RespoolError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(HTTPException, _http)
+    for outage in OUTAGE_CLASSES:  # handled inside the middleware, so the answer has its request id
+        app.add_exception_handler(outage, _outage)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(RequestIdMiddleware)

@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from worker.errors import UnavailableError
 from worker.events.stream import Event
+from worker.outages import as_unavailable
 
 log = logging.getLogger("respool.sse")
 
@@ -69,7 +70,11 @@ async def _frames(
             yield HEARTBEAT if event is None else frame(event)
             if event is not None:
                 after, is_ended = event.sequence_number, event.is_terminal
-    except UnavailableError as error:
+    except Exception as exc:
+        # The relay's boundary: an outage of Redis ends the stream with an error event saying so.
+        error = as_unavailable(exc)
+        if error is None:
+            raise
         is_ended = True  # we end it, not the client: nothing to cancel
         log.warning("a stream ends early after event %d: %s", after, error.message)
         if after >= 0:  # with no event sent yet there is no number to repeat: the stream just ends

@@ -1,45 +1,108 @@
-"""Backing servers' outages, mapped once at the service boundary to `UnavailableError` (503 +
-retry-after): Redis or Postgres unreachable, hung, loading, or read-only after a failover. Any
-other error of theirs (a misconfiguration, a bug) passes through as itself.
+"""Backing servers' outages, in one vocabulary: is this error Redis or Postgres being unreachable?
+
+An outage is a server unreachable, hung, still loading its data, restarting, out of free connections,
+or (Redis) a read-only replica after a failover. Any other error of theirs (a misconfiguration such
+as a wrong password, a bug) is not one, and passes through as itself. What respool does about an
+outage, in two places only:
+- inside the core, where waiting helps, an action is tried again with backoff (`patiently`,
+  `patiently_sync`): a worker recording a finished response, an append, a migration at start;
+- at the API's boundary (`api/errors.py`, `api/sse.py`), an outage that reaches it becomes a 503 with
+  `retry-after` (`as_unavailable`), so no route wraps its calls by hand.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from worker.errors import UnavailableError
-from worker.postgres import store
+
+log = logging.getLogger("respool.outages")
+
+# The foreign error classes an outage can come as: what the API's boundary looks at.
+OUTAGE_CLASSES: tuple[type[Exception], ...] = (RedisError, DBAPIError, PoolTimeoutError)
 
 
-@contextlib.asynccontextmanager
-async def _unavailable_on(is_outage: Callable[[Exception], bool], message: str) -> AsyncIterator[None]:
-    """Map a backing server's outage to `UnavailableError` (503 + retry-after) at this boundary."""
-    try:
-        yield
-    except Exception as exc:
-        if is_outage(exc):
-            raise UnavailableError(message) from exc
-        raise
-
-
-def redis_outage() -> contextlib.AbstractAsyncContextManager[None]:
-    """Within it, Redis being unreachable is `UnavailableError`."""
-    return _unavailable_on(is_redis_outage, "The queue (Redis) is unavailable; retry the request shortly.")
-
-
-def database_outage() -> contextlib.AbstractAsyncContextManager[None]:
-    """Within it, Postgres being unreachable is `UnavailableError`."""
-    return _unavailable_on(store.is_unreachable, "The database is unavailable; retry the request shortly.")
-
-
-def is_redis_outage(exc: Exception) -> bool:
+def is_redis_outage(exc: BaseException) -> bool:
     """Unreachable, hung, still loading its data (a ConnectionError), or a replica after a failover."""
     if not isinstance(exc, RedisError) or isinstance(exc, RedisAuthenticationError):
         return False  # a misconfiguration, not an outage: a 500 that says so in the log
     return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError)
+
+
+def is_postgres_outage(exc: BaseException) -> bool:
+    """Down, restarting, or no pooled connection free in time (connects hanging, or overload)."""
+    return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    )
+
+
+def is_outage(exc: BaseException) -> bool:
+    return is_redis_outage(exc) or is_postgres_outage(exc)
+
+
+def as_unavailable(exc: BaseException) -> UnavailableError | None:
+    """The 503 an outage is, saying which server, with the outage as its cause; None for any other error."""
+    if is_redis_outage(exc):
+        error = UnavailableError("The queue (Redis) is unavailable; retry the request shortly.")
+    elif is_postgres_outage(exc):
+        error = UnavailableError("The database is unavailable; retry the request shortly.")
+    else:
+        return None
+    error.__cause__ = exc
+    return error
+
+
+def _server(exc: BaseException) -> str:
+    return "Redis" if is_redis_outage(exc) else "Postgres"
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+async def patiently[T](
+    action: Callable[[], Awaitable[T]], seconds: float, *, first_delay: float = 0.25, max_delay: float = 2.0
+) -> T:
+    """`action`, tried again with backoff (doubling from `first_delay` up to `max_delay`) while it
+    meets an outage, for up to `seconds`; then the outage itself. Any other error at once."""
+    deadline, delay = time.monotonic() + seconds, first_delay
+    while True:
+        try:
+            return await action()
+        except Exception as exc:
+            if not is_outage(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning(
+                "%s is not reachable yet (%s); trying again in %.1f s", _server(exc), _reason(exc), delay
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)
+
+
+def patiently_sync[T](
+    action: Callable[[], T], seconds: float, *, first_delay: float = 0.5, max_delay: float = 5.0
+) -> T:
+    """`patiently`, for synchronous code (`respool migrate`)."""
+    deadline, delay = time.monotonic() + seconds, first_delay
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if not is_outage(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning(
+                "%s is not reachable yet (%s); trying again in %.1f s", _server(exc), _reason(exc), delay
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, max_delay)

@@ -1,4 +1,4 @@
-"""Outages mapped once, at the service boundary, and rendered as the SDK needs them (PROTOCOL.md §4.2, §5.5).
+"""Outages mapped once, at the API's boundary, and rendered as the SDK needs them (PROTOCOL.md §4.2, §5.5).
 
 Unit tests, no network: every foreign error that means "Redis (or Postgres) is unreachable" becomes
 `UnavailableError`; anything else passes through; the 503 and the SSE `error` frame carry what a
@@ -21,7 +21,7 @@ from api.errors import committed_error_response, error_response
 from api.sse import error_frame
 from tests.support.schema import validate_event
 from worker.errors import UnavailableAfterCommitError, UnavailableError
-from worker.outages import database_outage, redis_outage
+from worker.outages import OUTAGE_CLASSES, as_unavailable
 
 REDIS_OUTAGES = [
     redis_errors.ConnectionError("refused"),
@@ -45,36 +45,35 @@ POSTGRES_FAULTS = [_dbapi(sqlalchemy_errors.IntegrityError), _dbapi(sqlalchemy_e
 
 
 @pytest.mark.parametrize("error", REDIS_OUTAGES, ids=lambda error: type(error).__name__)
-async def test_redis_outages_are_unavailable(error: Exception) -> None:
+def test_redis_outages_are_unavailable(error: Exception) -> None:
     """Each way Redis can be unreachable becomes UnavailableError, the original kept as its cause."""
-    with pytest.raises(UnavailableError) as caught:
-        async with redis_outage():
-            raise error
-    assert caught.value.__cause__ is error
+    unavailable = as_unavailable(error)
+    assert isinstance(unavailable, UnavailableError)
+    assert unavailable.__cause__ is error
 
 
 @pytest.mark.parametrize("error", REDIS_FAULTS, ids=lambda error: type(error).__name__)
-async def test_other_redis_errors_pass_through(error: Exception) -> None:
+def test_other_redis_errors_pass_through(error: Exception) -> None:
     """A Redis error that is not an outage (a misconfiguration, a bug) is not disguised as one."""
-    with pytest.raises(type(error)):
-        async with redis_outage():
-            raise error
+    assert as_unavailable(error) is None
 
 
 @pytest.mark.parametrize("error", POSTGRES_OUTAGES, ids=lambda error: type(error).__name__)
-async def test_postgres_outages_are_unavailable(error: Exception) -> None:
+def test_postgres_outages_are_unavailable(error: Exception) -> None:
     """Each way Postgres can be unreachable becomes UnavailableError."""
-    with pytest.raises(UnavailableError):
-        async with database_outage():
-            raise error
+    assert isinstance(as_unavailable(error), UnavailableError)
 
 
 @pytest.mark.parametrize("error", POSTGRES_FAULTS, ids=lambda error: type(error).__name__)
-async def test_other_postgres_errors_pass_through(error: Exception) -> None:
+def test_other_postgres_errors_pass_through(error: Exception) -> None:
     """A Postgres error that is not an outage is not disguised as one."""
-    with pytest.raises(type(error)):
-        async with database_outage():
-            raise error
+    assert as_unavailable(error) is None
+
+
+def test_every_outage_reaches_the_apis_boundary() -> None:
+    """The API maps outages at one boundary: every kind of outage above is an instance of a class it handles."""
+    for error in REDIS_OUTAGES + POSTGRES_OUTAGES:
+        assert isinstance(error, OUTAGE_CLASSES), error
 
 
 def test_a_503_says_when_to_retry() -> None:

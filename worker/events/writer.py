@@ -8,15 +8,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease
 from worker.events.stream import AppendResult, Event, EventLog, encode, expire_response
+from worker.outages import patiently
 from worker.translation import coalesce
 
 log = logging.getLogger("respool.runner")
@@ -103,23 +103,21 @@ class ResponseWriter:
             raise CancelRequestedError(self.lease.response_id)
 
     async def _append(self, encoded: list[Event]) -> AppendResult:
-        deadline, delay = time.monotonic() + self.patience, 0.1
-        while True:
-            try:
-                return await self.log.append(self.lease, encoded)
-            except RedisResponseError as exc:
-                # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
-                # first, so only we can have written these numbers: a try whose reply was lost (ours,
-                # or the client's own resend after a dropped connection) got through.
-                if "equal or smaller" in str(exc):
-                    return AppendResult.OK
-                raise
-            except (RedisConnectionError, RedisTimeoutError):
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("response %s: Redis unreachable; retrying an append", self.lease.response_id)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        """One append, tried again while Redis is unreachable, for up to `patience` seconds."""
+        return await patiently(
+            partial(self._append_once, encoded), self.patience, first_delay=0.1, max_delay=1.0
+        )
+
+    async def _append_once(self, encoded: list[Event]) -> AppendResult:
+        try:
+            return await self.log.append(self.lease, encoded)
+        except RedisResponseError as exc:
+            # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
+            # first, so only we can have written these numbers: a try whose reply was lost (ours,
+            # or the client's own resend after a dropped connection) got through.
+            if "equal or smaller" in str(exc):
+                return AppendResult.OK
+            raise
 
 
 def _is_output(event: Event) -> bool:

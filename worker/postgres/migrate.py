@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
-from worker.postgres.store import async_url, is_unreachable
+from worker.outages import patiently_sync
+from worker.postgres.store import async_url
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 # Concurrent `migrate` runs (several replicas starting at once) take turns on this lock.
@@ -32,7 +32,7 @@ def migrate(database_url: str, wait_seconds: float = 0.0) -> None:
     """Bring the schema to the newest revision, waiting up to `wait_seconds` for Postgres to be
     reachable (a container started beside a database still starting up: compose's first start)."""
     engine = create_engine(async_url(database_url))
-    with _connect(engine, wait_seconds) as conn:
+    with patiently_sync(engine.connect, wait_seconds) as conn:
         conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": LOCK_ID})
         conn.commit()
         try:
@@ -50,21 +50,6 @@ def migrate(database_url: str, wait_seconds: float = 0.0) -> None:
             conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": LOCK_ID})
             conn.commit()
     engine.dispose()
-
-
-def _connect(engine: Engine, wait_seconds: float) -> Connection:
-    """A connection, tried again with backoff while Postgres is unreachable, for up to `wait_seconds`."""
-    deadline, delay = time.monotonic() + wait_seconds, 0.5
-    while True:
-        try:
-            return engine.connect()
-        except Exception as exc:
-            if not is_unreachable(exc) or time.monotonic() + delay > deadline:
-                raise
-            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-            log.warning("Postgres is not reachable yet (%s); trying again in %.1f s", reason, delay)
-        time.sleep(delay)
-        delay = min(delay * 2, 5.0)
 
 
 def _revision(conn: Connection) -> str | None:

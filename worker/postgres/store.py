@@ -12,8 +12,6 @@ from typing import Any, Literal
 import orjson
 from sqlalchemy import bindparam, delete, func, insert, literal_column, select, tuple_, update
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from worker.postgres.models import InputItemRow, ResponseRow
@@ -333,11 +331,3 @@ async def delete_expired(conn: AsyncConnection, retention_days: float, limit: in
     )
     result = await conn.execute(delete(ResponseRow).where(ResponseRow.id.in_(expired)))
     return int(result.rowcount)
-
-
-def is_unreachable(exc: BaseException) -> bool:
-    """Whether `exc` says Postgres could not be reached (down, restarting, or no connection free)."""
-    # PoolTimeoutError: no pooled connection came free in time (connects hanging, or overload).
-    return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
-    )

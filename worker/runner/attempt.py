@@ -25,6 +25,7 @@ from worker.events.stream import (
     start_over,
 )
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
+from worker.outages import patiently
 from worker.postgres import store
 from worker.protocol.response import TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
@@ -303,21 +304,12 @@ async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
 
 
 async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
-    """`action`, retried while Postgres is unreachable, for up to `database_wait_seconds`.
+    """`action`, tried again while Postgres is unreachable, for up to `database_wait_seconds`.
 
     The heartbeat keeps the lease meanwhile, so a response that finished generating during a
     Postgres outage (or restart) is recorded once it is back, instead of being lost.
     """
-    deadline, delay = time.monotonic() + rt.database_wait_seconds, 0.25
-    while True:
-        try:
-            return await action()
-        except Exception as exc:
-            if not store.is_unreachable(exc) or time.monotonic() > deadline:
-                raise
-            log.warning("Postgres is unreachable (%s); retrying in %.1f s", type(exc).__name__, delay)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
+    return await patiently(action, rt.database_wait_seconds)
 
 
 async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import uvloop
 from redis import Redis as SyncRedis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -34,7 +33,7 @@ from rq.worker import BaseWorker
 from worker import logs
 from worker.connections import sync_client
 from worker.keys import cancel_key
-from worker.postgres.store import is_unreachable
+from worker.outages import is_outage, is_redis_outage
 from worker.queue import job_statuses, response_queue
 from worker.runner.attempt import run_response
 from worker.runner.recovery import sweep
@@ -44,9 +43,6 @@ from worker.settings import Settings
 log = logging.getLogger("respool.worker")
 
 _BEAT_SECONDS = 1.0
-
-# What an unreachable (stopped, restarting, partitioned) Redis raises.
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
 @dataclass
@@ -112,13 +108,12 @@ class ResponseWorker(BaseWorker):
                 result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(
                     timeout, max_idle_time
                 )
-            except _REDIS_DOWN as exc:
+            except BaseException as exc:
                 self._slots.release()
+                if not is_redis_outage(exc):
+                    raise
                 self._wait_for_redis(exc)
                 continue
-            except BaseException:
-                self._slots.release()
-                raise
             if result is None:
                 self._slots.release()
             return result
@@ -134,13 +129,17 @@ class ResponseWorker(BaseWorker):
         self._last_beat = time.monotonic()
         try:
             super().heartbeat(timeout)
-        except _REDIS_DOWN as exc:
+        except RedisError as exc:
+            if not is_redis_outage(exc):
+                raise
             log.warning("worker heartbeat failed (%s); carrying on", exc)
 
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
-        except _REDIS_DOWN as exc:
+        except RedisError as exc:
+            if not is_redis_outage(exc):
+                raise
             log.warning("maintenance skipped: Redis is unreachable (%s)", exc)
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
@@ -156,10 +155,12 @@ class ResponseWorker(BaseWorker):
         self._last_suspension_check = time.monotonic()
         try:
             super().check_for_suspension(burst)
-        except _REDIS_DOWN as exc:
+        except RedisError as exc:
+            if not is_redis_outage(exc):
+                raise
             self._wait_for_redis(exc)
 
-    def _wait_for_redis(self, exc: Exception) -> None:
+    def _wait_for_redis(self, exc: BaseException) -> None:
         log.warning("Redis is unreachable (%s); waiting for it", exc)
         time.sleep(self._settings.maintenance_seconds)
         if self._stop_requested:
@@ -250,7 +251,7 @@ class ResponseWorker(BaseWorker):
             try:
                 await action()
             except Exception as exc:
-                if isinstance(exc, _REDIS_DOWN) or is_unreachable(exc):  # an outage: say it in one line
+                if is_outage(exc):  # say it in one line
                     log.warning("periodic %s skipped: %s", action.__name__, type(exc).__name__)
                 else:
                     log.exception("periodic %s failed; retrying", action.__name__)

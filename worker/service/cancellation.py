@@ -20,7 +20,6 @@ from worker.events.stream import EventLog, last_event
 from worker.events.writer import ResponseWriter, end_stream
 from worker.ids import new_id
 from worker.keys import cancel_key
-from worker.outages import database_outage, redis_outage
 from worker.postgres import store
 from worker.queue import remove_queued
 from worker.settings import Settings
@@ -42,7 +41,7 @@ class Cancellation:
 
     async def cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Record the cancel, then reach whoever holds the response; None if it was not live."""
-        async with database_outage(), self.autocommit.connect() as conn:
+        async with self.autocommit.connect() as conn:
             cancelled = await store.mark_cancelled(conn, response_id, owner)
         if cancelled is None:
             return None
@@ -52,18 +51,16 @@ class Cancellation:
     async def finish(self, response_id: str, cancelled: dict[str, Any]) -> None:
         """A repeated cancel completes one an outage cut short after Postgres recorded it (its 503
         made the SDK retry): the stream is still open, so signal again."""
-        async with redis_outage():
-            last = await last_event(self.redis, response_id)
+        last = await last_event(self.redis, response_id)
         if last is not None and not last.is_terminal:
             await self._signal(response_id, cancelled, is_retry=True)
 
     async def _signal(self, response_id: str, cancelled: dict[str, Any], *, is_retry: bool = False) -> None:
         """Reach whoever holds a cancelled response: the flag stops a worker running it; a job still
         queued is removed and its stream ended here (on a retry, whether or not it was queued)."""
-        async with redis_outage():
-            await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
-            if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
-                await self.end_stream(response_id, cancelled)
+        await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
+        if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
+            await self.end_stream(response_id, cancelled)
 
     async def end_stream(self, response_id: str, response: dict[str, Any]) -> None:
         """End a never-run response's stream with its terminal event, under a lease of our own."""

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from worker.errors import RateLimitError, StreamLimitError, UnavailableError
+from worker.errors import RateLimitError, StreamLimitError
 from worker.ids import new_id
 from worker.keys import rate_key, streams_key
-from worker.outages import redis_outage
+from worker.outages import is_redis_outage
 from worker.settings import Settings
 
 log = logging.getLogger("respool.quota")
@@ -116,9 +116,10 @@ class Quotas:
             return
         interval_ms = 60_000 / self.per_minute
         try:
-            async with redis_outage():
-                wait_ms = int(await self._rate(keys=[rate_key(owner)], args=[interval_ms, self.per_minute]))
-        except UnavailableError:
+            wait_ms = int(await self._rate(keys=[rate_key(owner)], args=[interval_ms, self.per_minute]))
+        except Exception as exc:
+            if not is_redis_outage(exc):
+                raise
             log.warning("Redis is unavailable: request rates go unchecked for %g s", UNCHECKED_SECONDS)
             self._unchecked_until = loop.time() + UNCHECKED_SECONDS
             return
@@ -132,9 +133,8 @@ class Quotas:
             return None
         slot = StreamSlot(owner, new_id("stream"))
         args: list[str | int] = [slot.token, self.max_streams, self._lease_ms]
-        async with redis_outage():
-            if not await self._take(keys=[streams_key(owner)], args=args):
-                raise StreamLimitError(owner, self.max_streams)
+        if not await self._take(keys=[streams_key(owner)], args=args):
+            raise StreamLimitError(owner, self.max_streams)
         self._held[slot.token] = owner
         return slot
 
@@ -145,9 +145,10 @@ class Quotas:
             return
         self._held.pop(slot.token, None)
         try:
-            async with redis_outage():
-                await self._redis.zrem(streams_key(slot.owner), slot.token)
-        except UnavailableError:
+            await self._redis.zrem(streams_key(slot.owner), slot.token)
+        except Exception as exc:
+            if not is_redis_outage(exc):
+                raise
             log.warning("a stream slot of '%s' could not be given back: it lapses", slot.owner)
 
     async def renew(self) -> None:

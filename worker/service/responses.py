@@ -28,7 +28,6 @@ from worker.errors import (
     OverloadedError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
-    UnavailableError,
 )
 from worker.events.stream import (
     Event,
@@ -38,7 +37,7 @@ from worker.events.stream import (
 )
 from worker.ids import new_id
 from worker.keys import response_keys
-from worker.outages import database_outage, redis_outage
+from worker.outages import is_postgres_outage, is_redis_outage
 from worker.postgres import store
 from worker.protocol.items import check_tool_outputs, normalize_input
 from worker.protocol.request import CreateRequest, parse_create_request
@@ -152,7 +151,7 @@ class ResponseService:
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         await self._check_queue()
         # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
-        async with database_outage(), self.autocommit.connect() as conn:
+        async with self.autocommit.connect() as conn:
             history, depth = await chains.history(
                 conn, owner, request.previous_response_id, self.settings.max_chain_depth
             )
@@ -166,8 +165,7 @@ class ResponseService:
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
-        async with redis_outage():
-            return int(await self.redis.llen(self.queue.key))
+        return int(await self.redis.llen(self.queue.key))
 
     async def _check_queue_depth(self) -> None:
         """Refuse new work while the queue is over its limit, before anything is recorded."""
@@ -183,8 +181,7 @@ class ResponseService:
     async def _check_queue(self) -> None:
         """Raise `UnavailableError` unless Redis answers: refused before anything is written, a create
         is safe for the SDK to retry (PROTOCOL.md §5.5)."""
-        async with redis_outage():
-            await self.redis.ping()
+        await self.redis.ping()
 
     async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
@@ -212,9 +209,12 @@ class ResponseService:
 
     async def _fail_unqueued(self, response: dict[str, Any]) -> None:
         try:
-            async with database_outage(), self.engine.begin() as conn:
+            async with self.engine.begin() as conn:
                 await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
-        except UnavailableError:  # Postgres is gone too: the workers' sweep ends the row later
+        except Exception as exc:
+            if not is_postgres_outage(exc):
+                raise
+            # Postgres is gone too: the workers' sweep ends the row later.
             log.error("response %s: could not mark the unqueued response failed", response["id"])
 
     # Read ------------------------------------------------------------------------------------
@@ -238,8 +238,7 @@ class ResponseService:
         Redis is asked even for a live response, so an outage is a 503 before the stream starts.
         """
         stored = await self._stored(owner, response_id)
-        async with redis_outage():
-            last = await last_event(self.redis, response_id)
+        last = await last_event(self.redis, response_id)
         if stored.status not in TERMINAL:
             return None
         if last is None:
@@ -248,8 +247,7 @@ class ResponseService:
                 param="stream",
             )
         if not last.is_terminal:
-            async with redis_outage():
-                await self.cancellation.end_stream(response_id, stored.response)
+            await self.cancellation.end_stream(response_id, stored.response)
         return stored.response
 
     async def follow(
@@ -267,15 +265,14 @@ class ResponseService:
         §2.3). If that event does not come while the relay waits, the writer died in between: the
         stream is ended from Postgres here (its lease has expired by then) and that end relayed.
 
-        Raises `UnavailableError` if Redis is lost meanwhile: the reader resumes after the last
-        event it got, once Redis is back.
+        Raises Redis's outage if Redis is lost meanwhile (the relay's boundary says so to its
+        client, who resumes after the last event it got, once Redis is back).
         """
         position, is_ended = after, False
         is_finished = final is not None
-        async with (
-            redis_outage(),
-            contextlib.aclosing(self.tailer.follow(response_id, after, idle_seconds, is_finished)) as events,
-        ):
+        async with contextlib.aclosing(
+            self.tailer.follow(response_id, after, idle_seconds, is_finished)
+        ) as events:
             async for item in events:
                 if item is not None:
                     position, is_ended = item.sequence_number, item.is_terminal
@@ -292,7 +289,9 @@ class ResponseService:
                 if event is not None and event.is_terminal:
                     response: dict[str, Any] = event.payload()["response"]
                     return response
-        except UnavailableError as exc:
+        except Exception as exc:
+            if not is_redis_outage(exc):
+                raise
             raise UnavailableAfterCommitError(
                 f"Response '{response_id}' was accepted, but its events became unavailable while "
                 "waiting for it; retrieve it by id shortly."
@@ -306,7 +305,7 @@ class ResponseService:
     ) -> dict[str, Any]:
         """A page of the response's input items (PROTOCOL.md §5.1)."""
         await self._stored(owner, response_id)
-        async with database_outage(), self.engine.connect() as conn:
+        async with self.engine.connect() as conn:
             items, has_more = await store.list_input_items(
                 conn, response_id, after=after, limit=limit, order=order
             )
@@ -358,23 +357,21 @@ class ResponseService:
             await self.cancel(owner, response_id)
         # Redis first: if it is down, nothing is deleted yet and the SDK's retry finds the row.
         # Deleting the lease fences out a worker still running it: it can write nothing more.
-        async with redis_outage():
-            await self.redis.delete(*response_keys(response_id))
-            await asyncio.to_thread(delete_job, self.queue, response_id)
-        async with database_outage(), self.engine.begin() as conn:
+        await self.redis.delete(*response_keys(response_id))
+        await asyncio.to_thread(delete_job, self.queue, response_id)
+        async with self.engine.begin() as conn:
             await store.delete_response(conn, response_id, owner)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def check_ready(self) -> None:
         """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
-        async with redis_outage():
-            await self.redis.ping()
-        async with database_outage(), self.autocommit.connect() as conn:
+        await self.redis.ping()
+        async with self.autocommit.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
     async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
         logs.RESPONSE_ID.set(response_id)
-        async with database_outage(), self.autocommit.connect() as conn:
+        async with self.autocommit.connect() as conn:
             stored = await store.get_response(conn, response_id, owner)
         if stored is None or not stored.store:
             raise ResponseNotFoundError(response_id)
