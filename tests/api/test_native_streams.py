@@ -91,3 +91,19 @@ def test_upstream_failing_mid_message(client: openai.OpenAI, upstream: ScriptedU
     ]
     stored = client.responses.retrieve(final["id"])
     assert stored.status == "failed" and stored.output_text == "Hello"
+
+
+def test_a_chain_that_moves_from_a_native_to_a_chat_model_checks_its_history(
+    client: openai.OpenAI, model: str
+) -> None:
+    """A native response whose input held what only a Responses upstream takes (a file by URL) can go
+    on natively, but not on a Chat Completions model, which cannot be sent it: a 400 at create, not a
+    failure later."""
+    by_url = {"type": "input_file", "file_url": "https://example.com/report.pdf"}
+    question = [{"role": "user", "content": [{"type": "input_text", "text": "summarise"}, by_url]}]
+    first = client.responses.create(model=NATIVE_MODEL, input=question)  # type: ignore[arg-type]
+    assert first.status == "completed"
+    with pytest.raises(openai.BadRequestError, match="file_data"):
+        client.responses.create(model=model, previous_response_id=first.id, input="and then?")
+    following = client.responses.create(model=NATIVE_MODEL, previous_response_id=first.id, input="and then?")
+    assert following.status == "completed"

@@ -7,6 +7,7 @@ bounded (RESPOOL_MAX_CHAIN_DEPTH): rows would otherwise grow without end.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -16,14 +17,22 @@ from worker.postgres import store
 from worker.protocol.response import LIVE
 
 
-async def history(
-    conn: AsyncConnection, owner: str, previous_id: str | None, max_depth: int
-) -> tuple[list[dict[str, Any]], int]:
-    """The earlier turns and the new response's depth in its chain (0 without `previous_id`); a 400
-    naming `previous_response_id` if that response is not `owner`'s and stored, is still running,
-    or ends a chain of `max_depth` responses."""
+@dataclass(frozen=True)
+class History:
+    """What a new response continues: the earlier turns (`items`), its depth in the chain, and the
+    model the previous response ran on (None: there is none)."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    depth: int = 0
+    model: str | None = None
+
+
+async def history(conn: AsyncConnection, owner: str, previous_id: str | None, max_depth: int) -> History:
+    """What a new response continues (nothing without `previous_id`); a 400 naming
+    `previous_response_id` if that response is not `owner`'s and stored, is still running, or ends a
+    chain of `max_depth` responses."""
     if previous_id is None:
-        return [], 0
+        return History()
     previous = await store.get_response(conn, previous_id, owner)
     if previous is None or not previous.store:
         raise PreviousResponseNotFoundError(previous_id)
@@ -41,4 +50,5 @@ async def history(
             param="previous_response_id",
             code="previous_response_chain_too_long",
         )
-    return previous.conversation + list(previous.response.get("output") or []), depth
+    items = previous.conversation + list(previous.response.get("output") or [])
+    return History(items, depth, str(previous.request.get("model")))

@@ -25,6 +25,7 @@ from worker import logs
 from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
     InvalidRequestError,
+    ModelNotFoundError,
     OverloadedError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
@@ -145,23 +146,43 @@ class ResponseService:
     async def _record(
         self, owner: str, request: CreateRequest, route: Route, own_items: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        """Record the response and enqueue it; its Response as created."""
+        """Record the response and enqueue it; its Response as created.
+
+        What the upstream could not be sent is refused before any I/O (`_check_translatable`). Redis
+        must answer before anything is recorded, so that an outage refuses the create safely (the SDK
+        retries it): its PING rides alongside the Postgres work rather than before it.
+        """
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
-        await self._check_queue()
-        # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
-        async with self.autocommit.connect() as conn:
-            history, depth = await chains.history(
-                conn, owner, request.previous_response_id, self.settings.max_chain_depth
-            )
-            conversation = history + own_items
-            check_tool_outputs(conversation, len(history))
-            _check_translatable(route, request, conversation)
-            row = store.new_row(owner, request, response, conversation, depth)
-            await store.insert_response(conn, row, own_items)
+        _check_translatable(route, request, own_items)
+        redis_answers = asyncio.ensure_future(self.redis.ping())
+        try:
+            # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
+            async with self.autocommit.connect() as conn:
+                history = await chains.history(
+                    conn, owner, request.previous_response_id, self.settings.max_chain_depth
+                )
+                conversation = history.items + own_items
+                check_tool_outputs(conversation, len(history.items))
+                if history.items and not self._same_backend(history.model, route):
+                    _check_translatable(route, request, history.items)
+                row = store.new_row(owner, request, response, conversation, history.depth)
+                await redis_answers
+                await store.insert_response(conn, row, own_items)
+        finally:
+            _discard(redis_answers)
         await self._enqueue(request, response)
         return response
+
+    def _same_backend(self, model: str | None, route: Route) -> bool:
+        """Whether the previous response's items were checked against what `route` can be sent (its
+        model went the same kind of upstream way), so a chain need not check them again."""
+        try:
+            previous = self.routes.resolve(model or "")
+        except ModelNotFoundError:
+            return False
+        return (previous.api is UpstreamApi.RESPONSES) == (route.api is UpstreamApi.RESPONSES)
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
@@ -177,11 +198,6 @@ class ResponseService:
             raise OverloadedError(
                 f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
             )
-
-    async def _check_queue(self) -> None:
-        """Raise `UnavailableError` unless Redis answers: refused before anything is written, a create
-        is safe for the SDK to retry (PROTOCOL.md §5.5)."""
-        await self.redis.ping()
 
     async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
@@ -378,7 +394,15 @@ class ResponseService:
         return stored
 
 
-def _check_translatable(route: Route, request: CreateRequest, conversation: list[dict[str, Any]]) -> None:
+def _discard(future: asyncio.Future[Any]) -> None:
+    """Stop `future` if it still runs, or mark the error it met as seen: the create ended on another."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
+def _check_translatable(route: Route, request: CreateRequest, items: list[dict[str, Any]]) -> None:
     """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
     if route.api is not UpstreamApi.RESPONSES:
-        chat_request.to_chat_request(request.model_dump(exclude_unset=True), conversation, route.model)
+        chat_request.check(request.model_dump(exclude_unset=True), items)

@@ -108,6 +108,23 @@ def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], 
     return body
 
 
+def check(request: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    """Raise the 400 that `to_chat_request` would raise for `request` with `items`, at create, so a
+    worker never meets it; each rule is the one translation applies (it runs each item's and each
+    parameter's), but no messages are assembled and nothing is kept."""
+    _refuse_unhonourable(request)
+    _tool_params(request)
+    _reasoning_params(request.get("reasoning"))
+    _text_params(request.get("text"))
+    turn = _AssistantTurn()  # a scratch turn: assistant items are checked by adding them to it
+    for index, item in enumerate(items):
+        kind = _item_kind(item, index)
+        if kind in _ASSISTANT_ITEMS:
+            _ASSISTANT_ITEMS[kind](turn, item, index)
+        else:
+            _STANDALONE_ITEMS[kind](item, index)
+
+
 def includes_logprobs(request: dict[str, Any]) -> bool:
     """Whether the client asked for logprobs on output text (`include`, PROTOCOL.md §2)."""
     return LOGPROBS_INCLUDE in (request.get("include") or [])

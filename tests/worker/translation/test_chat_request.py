@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
-from worker.translation.chat_request import includes_logprobs, to_chat_request
+from worker.translation.chat_request import check, includes_logprobs, to_chat_request
 
 Item = dict[str, Any]
 BASE = {"model": "up", "stream": True, "stream_options": {"include_usage": True}}
@@ -393,3 +393,24 @@ def assert_refused(
         to_chat_request(request, items, "up")
     assert type(raised.value) is error
     assert (raised.value.param, raised.value.status) == (param, 400)
+
+
+@pytest.mark.parametrize(
+    ("request_", "items", "error", "param"),
+    [pytest.param(case[0], HELLO, *case[1:], id=name) for name, *case in PARAMETER_ERRORS]
+    + [pytest.param({}, *case, id=name) for name, *case in ITEM_ERRORS],
+)
+def test_the_check_at_create_refuses_what_translation_would(
+    request_: dict[str, Any], items: list[dict[str, Any]], error: type[InvalidRequestError], param: str
+) -> None:
+    """`check`, which the API runs at create, raises exactly the 400 translating would, naming the same param."""
+    with pytest.raises(error) as raised:
+        check(request_, items)
+    assert type(raised.value) is error
+    assert raised.value.param == param
+
+
+@pytest.mark.parametrize("items", [pytest.param(items, id=name) for name, _, items, _ in CONVERSATIONS])
+def test_the_check_passes_what_translation_takes(items: list[Item]) -> None:
+    """Every conversation translation takes passes the check."""
+    check({}, items)
