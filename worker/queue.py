@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from redis import Redis as SyncRedis
+from redis.asyncio import Redis as AsyncRedis
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -17,7 +18,9 @@ from rq.serializers import JSONSerializer
 
 from worker.events.stream import Event, add_events
 
-JOB_FUNCTION = "worker.runner.attempt.run_job"
+# The job function, as RQ records it in every job: the runner package's own name for it, which a
+# worker of an earlier release (during a rolling upgrade) and of a later one both resolve.
+JOB_FUNCTION = "worker.runner.run_job"
 # A response may stream for a long time; the lease, not RQ's job timeout, bounds a dead worker.
 JOB_TIMEOUT = -1
 RESULT_TTL = 600
@@ -55,6 +58,20 @@ def enqueue_commands(
     commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
     recorder.reset()
     return commands
+
+
+async def enqueue(
+    redis: AsyncRedis, queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
+) -> None:
+    """Append the response's first events and enqueue its job, in one MULTI on an asyncio client."""
+    if queue.redis_server_version is None:  # RQ asks once per process: ask it here
+        info = await redis.info("server")
+        queue.redis_server_version = parse_server_version(info["redis_version"])
+    commands = enqueue_commands(queue, response_id, first_events, max_attempts)
+    async with redis.pipeline(transaction=True) as pipe:
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
+        await pipe.execute()
 
 
 def parse_server_version(version: str) -> tuple[int, int, int]:

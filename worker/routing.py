@@ -43,6 +43,11 @@ class Route:
     upstream_model: str = ""
     api_key_env: str | None = None
 
+    @property
+    def is_native(self) -> bool:
+        """Whether the upstream speaks Responses (else Chat Completions is what it is sent)."""
+        return self.api is UpstreamApi.RESPONSES
+
     def api_key(self) -> str | None:
         """The upstream key, read from its env var now (so rotating it needs no restart of the config)."""
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -63,6 +68,13 @@ class Routes:
         if self.fallback is not None:
             return Route(model, self.fallback.api, self.fallback.base_url, model, self.fallback.api_key_env)
         raise ModelNotFoundError(model)
+
+    def is_native(self, model: str | None) -> bool | None:
+        """Whether `model` goes to a Responses upstream; None if it is not routed (any more)."""
+        try:
+            return self.resolve(model or "").is_native
+        except ModelNotFoundError:
+            return None
 
     def api_key_of(self, model: str) -> str:
         """The key sent upstream for `model` ("" if none, or if the model is not routed)."""

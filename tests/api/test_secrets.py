@@ -189,7 +189,7 @@ def test_the_search_finds_a_planted_key(tmp_path: Path, backing: Servers) -> Non
             with engine.begin() as conn:
                 conn.execute(text(f"CREATE TABLE {name} (body jsonb)"))
                 conn.execute(text(f"INSERT INTO {name} VALUES (:body)"), {"body": f'{{"key": "{planted}"}}'})
-            job = queue.enqueue_call("worker.runner.attempt.run_job", args=(planted,), job_id=name)
+            job = queue.enqueue_call("worker.runner.run_job", args=(planted,), job_id=name)
             packed = base64.b64encode(zlib.compress(f"Traceback: {planted}".encode()))
             redis.xadd(f"rq:results:{name}-planted", {"exc_string": packed})
             places = (

@@ -34,7 +34,7 @@ from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.runner.synthetic import synthetic_chunks
 from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, stream_json
 from worker.settings import Settings
-from worker.translation import chat_request, chat_stream, native, output
+from worker.translation import chat_request, chat_stream, native, output, replay
 
 log = logging.getLogger("respool.runner")
 
@@ -147,7 +147,7 @@ async def _end_what_was_told(rt: Runtime, writer: ResponseWriter, response: dict
     """The failed Response of a response whose earlier attempt died mid-output: the items that
     attempt had opened are closed `incomplete` on the stream and kept, so both tell the same."""
     told = await read_events(rt.redis, response["id"])
-    out = output.rebuild(event.payload() for event in told)
+    out = replay.rebuild(event.payload() for event in told)
     await _emit(writer, output.close_open(out, "incomplete"))
     return failed(response, WORKER_LOST, int(time.time()), output=output.output_items(out))
 

@@ -25,7 +25,6 @@ from worker import logs
 from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
     InvalidRequestError,
-    ModelNotFoundError,
     OverloadedError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
@@ -43,8 +42,8 @@ from worker.postgres import store
 from worker.protocol.items import check_tool_outputs, normalize_input
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
-from worker.queue import delete_job, enqueue_commands, parse_server_version, response_queue
-from worker.routing import Route, Routes, UpstreamApi, load_routes
+from worker.queue import delete_job, enqueue, response_queue
+from worker.routing import Route, Routes, load_routes
 from worker.service import chains
 from worker.service.cancellation import Cancellation
 from worker.service.quota import Quotas, StreamSlot
@@ -165,7 +164,8 @@ class ResponseService:
                 )
                 conversation = history.items + own_items
                 check_tool_outputs(conversation, len(history.items))
-                if history.items and not self._same_backend(history.model, route):
+                # Its items were checked for the kind of upstream its model had; another kind checks them.
+                if history.items and self.routes.is_native(history.model) != route.is_native:
                     _check_translatable(route, request, history.items)
                 row = store.new_row(owner, request, response, conversation, history.depth)
                 await redis_answers
@@ -174,15 +174,6 @@ class ResponseService:
             _discard(redis_answers)
         await self._enqueue(request, response)
         return response
-
-    def _same_backend(self, model: str | None, route: Route) -> bool:
-        """Whether the previous response's items were checked against what `route` can be sent (its
-        model went the same kind of upstream way), so a chain need not check them again."""
-        try:
-            previous = self.routes.resolve(model or "")
-        except ModelNotFoundError:
-            return False
-        return (previous.api is UpstreamApi.RESPONSES) == (route.api is UpstreamApi.RESPONSES)
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
@@ -205,14 +196,7 @@ class ResponseService:
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
-            if self.queue.redis_server_version is None:  # RQ asks once per process: ask it here
-                info = await self.redis.info("server")
-                self.queue.redis_server_version = parse_server_version(info["redis_version"])
-            commands = enqueue_commands(self.queue, response["id"], first, self.settings.max_attempts)
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for args, options in commands:
-                    pipe.execute_command(*args, **options)
-                await pipe.execute()
+            await enqueue(self.redis, self.queue, response["id"], first, self.settings.max_attempts)
         except RedisError as exc:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
@@ -404,5 +388,5 @@ def _discard(future: asyncio.Future[Any]) -> None:
 
 def _check_translatable(route: Route, request: CreateRequest, items: list[dict[str, Any]]) -> None:
     """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
-    if route.api is not UpstreamApi.RESPONSES:
+    if not route.is_native:
         chat_request.check(request.model_dump(exclude_unset=True), items)

@@ -43,8 +43,6 @@ PART_EVENTS = {
 # The fields of an item that this module owns; any other field a caller gives is kept as given.
 # `item_id` is no item field: vLLM's harmony tool calls put the upstream's own id there.
 _OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments", "item_id"})
-# The item types this module models part by part (function calls are side items).
-_MODELLED = frozenset({"message", "reasoning", "function_call"})
 
 
 @dataclass
@@ -111,7 +109,7 @@ def start_item(out: Output, item_type: str, fields: dict[str, Any] | None = None
     """Close every open item and open a new `item_type` one (an explicit boundary)."""
     # PROTOCOL.md §4.1: what was open is done once something else starts.
     events = close_open(out, "completed")
-    item = _new_item(out, {**_kept(fields), "id": new_item_id(item_type), "type": item_type})
+    item = _new_item(out, {**kept_fields(fields), "id": new_item_id(item_type), "type": item_type})
     if item_type == "message":
         item.fields.setdefault("role", "assistant")
     out.current = item
@@ -163,7 +161,7 @@ def open_call(
     item = _new_item(
         out,
         {
-            **_kept(fields),
+            **kept_fields(fields),
             "id": new_item_id("function_call"),
             "type": "function_call",
             "call_id": call_id or new_id("call"),
@@ -206,7 +204,7 @@ def update_fields(item: Item, fields: dict[str, Any]) -> None:
     if item.body is not None:
         item.body.update(fields)
         return
-    for key, value in _kept(fields).items():
+    for key, value in kept_fields(fields).items():
         if not item.fields.get(key):
             item.fields[key] = value
 
@@ -313,7 +311,8 @@ def _new_item(out: Output, fields: dict[str, Any]) -> Item:
     return item
 
 
-def _kept(fields: dict[str, Any] | None) -> dict[str, Any]:
+def kept_fields(fields: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields of `fields` this module does not own (see `_OWNED`), set."""
     return {key: value for key, value in (fields or {}).items() if key not in _OWNED and value is not None}
 
 
@@ -368,97 +367,3 @@ def _part_body(part: Part) -> dict[str, Any]:
     if part.type == "output_text":
         body.update(annotations=list(part.annotations), logprobs=list(part.logprobs))
     return body
-
-
-# --- rebuilding ---------------------------------------------------------------------------------
-
-
-def rebuild(events: Iterable[EventBody]) -> Output:
-    """The output state that `events` (as told, in order) leave behind: the state a new attempt
-    takes over from a dead one, to end what it had opened (DESIGN.md §4, "Orphans")."""
-    out = Output()
-    for event in events:
-        _REPLAY.get(str(event.get("type")), _replay_delta)(out, event)
-    return out
-
-
-def _replay_item_added(out: Output, event: EventBody) -> None:
-    given = dict(event["item"])
-    item = Item(
-        output_index=len(out.items), fields={**_kept(given), "id": given["id"], "type": given["type"]}
-    )
-    out.items.append(item)
-    if item.type in _MODELLED and item.type != "function_call":
-        out.current = item
-    else:
-        if item.type != "function_call":
-            item.body = given
-        out.side[item.id] = item
-
-
-def _replay_item_done(out: Output, event: EventBody) -> None:
-    item = _replayed(out, event)
-    if item is None:
-        return
-    item.status = str(event["item"].get("status") or "completed")
-    if item.body is not None:
-        item.body = dict(event["item"])
-    else:  # what was told last, `encrypted_content` included
-        item.fields = {**_kept(event["item"]), "id": item.id, "type": item.type}
-    for part in [*item.parts, *item.summary]:
-        part.is_open = False
-    if out.current is item:
-        out.current = None
-    out.side.pop(item.id, None)
-
-
-def _replay_part_added(out: Output, event: EventBody) -> None:
-    item = _replayed(out, event)
-    if item is not None:
-        item.parts.append(Part(str(event["part"]["type"])))
-
-
-def _replay_summary_added(out: Output, event: EventBody) -> None:
-    item = _replayed(out, event)
-    if item is not None:
-        item.summary.append(Part("summary_text"))
-
-
-def _replay_annotation(out: Output, event: EventBody) -> None:
-    item = _replayed(out, event)
-    if item is not None and item.parts:
-        item.parts[-1].annotations.append(event["annotation"])
-
-
-def _replay_delta(out: Output, event: EventBody) -> None:
-    """A delta adds to its part (or a call's arguments); a part's `.done` closes it; others say nothing new."""
-    item = _replayed(out, event)
-    kind = str(event.get("type"))
-    if item is None:
-        return
-    if kind == "response.function_call_arguments.delta":
-        item.arguments.append(str(event["delta"]))
-    elif kind == "response.reasoning_summary_text.delta" and item.summary:
-        item.summary[-1].text.append(str(event["delta"]))
-    elif kind.endswith(".delta") and item.parts and "content_index" in event:
-        part = item.parts[event["content_index"]]
-        part.text.append(str(event["delta"]))
-        part.logprobs.extend(event.get("logprobs") or [])
-    elif kind in {"response.content_part.done", "response.reasoning_summary_part.done"}:
-        parts = item.parts if kind == "response.content_part.done" else item.summary
-        if parts:
-            parts[-1].is_open = False
-
-
-def _replayed(out: Output, event: EventBody) -> Item | None:
-    index = event.get("output_index")
-    return out.items[index] if isinstance(index, int) and 0 <= index < len(out.items) else None
-
-
-_REPLAY = {
-    "response.output_item.added": _replay_item_added,
-    "response.output_item.done": _replay_item_done,
-    "response.content_part.added": _replay_part_added,
-    "response.reasoning_summary_part.added": _replay_summary_added,
-    "response.output_text.annotation.added": _replay_annotation,
-}

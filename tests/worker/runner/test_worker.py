@@ -45,3 +45,15 @@ def test_one_worker_holds_200_responses_at_once(
     )
     statuses = {client.responses.retrieve(response.id).status for response in created}
     assert statuses == {"completed"}
+
+
+def test_jobs_name_the_job_function_by_a_path_every_release_resolves() -> None:
+    """RQ keeps a job's function as a dotted path: new jobs, and jobs queued before the runner was a
+    package, name `worker.runner.run_job`, which resolves to the job function."""
+    from rq.utils import import_attribute
+
+    from worker.queue import JOB_FUNCTION
+    from worker.runner.attempt import run_job
+
+    assert JOB_FUNCTION == "worker.runner.run_job"
+    assert import_attribute(JOB_FUNCTION) is run_job

@@ -8,7 +8,8 @@ import pytest
 
 from tests.support.schema import validate_event
 from tests.worker.translation import test_chat_stream, test_native
-from worker.translation.output import close_open, output_items, rebuild
+from worker.translation.output import close_open, output_items
+from worker.translation.replay import rebuild
 
 Events = list[dict[str, Any]]
 
