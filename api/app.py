@@ -53,6 +53,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(websockets)
     openapi.install(app, secured=not keys.is_open)
 
+    _install_operations(app, metrics)
+    return app
+
+
+def _install_operations(app: FastAPI, metrics: ApiMetrics) -> None:
+    """The routes operators ask, outside /v1: /metrics, /healthz, /readyz."""
+
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         """This process's Prometheus metrics, with the queue's depth as of now."""
@@ -80,5 +87,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         service: ResponseService = app.state.service
         await service.check_ready()
         return {"status": "ok"}
-
-    return app
