@@ -69,7 +69,7 @@ class Routes:
             return Route(model, self.fallback.api, self.fallback.base_url, model, self.fallback.api_key_env)
         raise ModelNotFoundError(model)
 
-    def is_native(self, model: str | None) -> bool | None:
+    def native_for(self, model: str | None) -> bool | None:
         """Whether `model` goes to a Responses upstream; None if it is not routed (any more)."""
         try:
             return self.resolve(model or "").is_native

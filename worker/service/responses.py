@@ -165,7 +165,7 @@ class ResponseService:
                 conversation = history.items + own_items
                 check_tool_outputs(conversation, len(history.items))
                 # Its items were checked for the kind of upstream its model had; another kind checks them.
-                if history.items and self.routes.is_native(history.model) != route.is_native:
+                if history.items and self.routes.native_for(history.model) != route.is_native:
                     _check_translatable(route, request, history.items)
                 row = store.new_row(owner, request, response, conversation, history.depth)
                 await redis_answers
