@@ -6,7 +6,14 @@ import secrets
 
 # The id prefix of each item type respool mints ids for (input items, and the output it models);
 # any other item type's ids are `item_…`.
-ITEM_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
+ITEM_PREFIXES = {
+    "message": "msg",
+    "reasoning": "rs",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+}
 
 
 def new_id(prefix: str) -> str:

@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     upstream_stall_seconds: float = Field(default=300.0, gt=0)
     upstream_connect_seconds: float = Field(default=10.0, gt=0)
 
+    # Tools (DESIGN.md §10): a server-side tool type this deployment has no backend for (e.g. Codex
+    # CLI's `web_search` with no search backend) is left out of what the model is offered and named
+    # on the Response's `unavailable_tools` ("drop"), or refused as a 400 ("reject").
+    unavailable_tools: Literal["drop", "reject"] = "drop"
+
     # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
     sse_heartbeat_seconds: float = 15.0
 

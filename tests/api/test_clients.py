@@ -16,6 +16,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from tests.conftest import KEY_A
 from tests.support.stack import Stack
 from tests.support.upstream_process import ScriptedUpstream
 
@@ -124,22 +125,23 @@ def _codex() -> str:
     return codex
 
 
-def test_codex_cli_falls_back_to_http_after_the_426(queue_only: Stack, tmp_path: Path) -> None:
-    """The real Codex CLI, whose built-in provider tries a WebSocket first, meets the 426 once and goes
-    on over HTTP (what respool then answers its request is another matter: hosted tools, issue 17)."""
-    log_before = queue_only.log("api-queue-only")
+def test_codex_cli_works_against_a_default_respool(stack: Stack, tmp_path: Path) -> None:
+    """The real Codex CLI, unchanged and on its defaults: its built-in provider tries a WebSocket
+    first, meets the 426 once and goes on over HTTP; its first request (function tools, a `namespace`
+    group, `web_search`, which this deployment has no backend for) is answered, and Codex prints it."""
+    log_before = stack.log("api")
     answer = subprocess.run(
         [
             _codex(),
             "exec",
             "--skip-git-repo-check",
             "-c",
-            f'openai_base_url="{queue_only.url}/v1"',
+            f'openai_base_url="{stack.url}/v1"',
             "-m",
             "synthetic",
             "say hi",
         ],
-        env={**os.environ, "CODEX_HOME": str(tmp_path), "OPENAI_API_KEY": "sk-unused"},
+        env={**os.environ, "CODEX_HOME": str(tmp_path), "OPENAI_API_KEY": KEY_A, "CODEX_API_KEY": KEY_A},
         cwd=tmp_path,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -147,9 +149,10 @@ def test_codex_cli_falls_back_to_http_after_the_426(queue_only: Stack, tmp_path:
         timeout=120,
         check=False,
     )
-    seen = queue_only.log("api-queue-only").removeprefix(log_before)
+    seen = stack.log("api").removeprefix(log_before)
     assert seen.count('"WebSocket /v1/responses" 426') == 1, seen
-    assert '"POST /v1/responses HTTP/1.1"' in seen.partition('"WebSocket /v1/responses" 426')[2], seen
+    assert '"POST /v1/responses HTTP/1.1" 200' in seen.partition('"WebSocket /v1/responses" 426')[2], seen
     assert "ASGI callable returned without completing handshake" not in seen
-    # Codex reports respool's answer to its HTTP request: it did fall back.
-    assert "namespace" in answer.stdout + answer.stderr
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    # The synthetic model quotes the last user message back: Codex printed respool's answer.
+    assert "This is respool's synthetic model. You said:" in answer.stdout, answer.stdout + answer.stderr

@@ -15,6 +15,16 @@ ROLES = {"user", "system", "developer", "assistant"}
 INPUT_PARTS = {"input_text", "input_image", "input_file"}
 ASSISTANT_PARTS = {"output_text", "refusal"}
 
+# The fields each client-side call and output item must have (as the SDK's types require them).
+_REQUIRED = {
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+    "custom_tool_call": ("call_id", "name", "input"),
+    "custom_tool_call_output": ("call_id", "output"),
+}
+CALLS = {"function_call": "function_call_output", "custom_tool_call": "custom_tool_call_output"}
+OUTPUTS = frozenset(CALLS.values())
+
 
 def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's `input` as a list of items, each with `id` and `type`."""
@@ -36,13 +46,11 @@ def _normalize_item(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise UnsupportedParameterError(
             "Item references are not supported; send the item itself.", param=param
         )
-    if kind == "function_call":
-        _require(item, param, "call_id", "name", "arguments")
-    elif kind == "function_call_output":
-        _require(item, param, "call_id", "output")
+    if kind in _REQUIRED:
+        _require(item, param, *_REQUIRED[kind])
     normalized = {**item, "type": kind}
     normalized.setdefault("id", new_item_id(kind))
-    if kind in {"function_call", "function_call_output"}:
+    if kind in _REQUIRED:
         normalized.setdefault("status", "completed")
     return normalized
 
@@ -89,20 +97,21 @@ def _require(item: dict[str, Any], param: str, *keys: str) -> None:
 
 
 def check_tool_outputs(items: list[dict[str, Any]], first_new: int) -> None:
-    """Every `function_call_output` needs an earlier `function_call` with its `call_id`, and every
-    `function_call` its output before the next input message and by the end (PROTOCOL.md §10), as
+    """Every `function_call_output` (`custom_tool_call_output`) needs an earlier `function_call`
+    (`custom_tool_call`) with its `call_id`, and every call its output before the next input message and by the end (PROTOCOL.md §10), as
     OpenAI answers: a chat upstream would be sent an assistant tool call followed by a user message,
     which real servers reject. `first_new` is where the request's own items start."""
     call_ids: set[str] = set()
     pending: dict[str, None] = {}  # calls still waiting for their output, in order
     for index, item in enumerate(items):
-        if item["type"] == "function_call":
+        if item["type"] in CALLS:
             call_ids.add(item["call_id"])
             pending[item["call_id"]] = None
-        elif item["type"] == "function_call_output":
+        elif item["type"] in OUTPUTS:
             if item["call_id"] not in call_ids:
+                kind = "custom tool call" if item["type"] == "custom_tool_call_output" else "function call"
                 raise InvalidRequestError(
-                    f"No tool call found for function call output with call_id {item['call_id']}.",
+                    f"No tool call found for {kind} output with call_id {item['call_id']}.",
                     param=f"input[{index - first_new}]" if index >= first_new else "previous_response_id",
                 )
             pending.pop(item["call_id"], None)

@@ -39,6 +39,7 @@ from worker.ids import new_id
 from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.postgres import store
+from worker.protocol import tools
 from worker.protocol.items import check_tool_outputs, normalize_input
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
@@ -52,6 +53,9 @@ from worker.settings import Settings
 from worker.translation import chat_request
 
 log = logging.getLogger("respool.service")
+
+# The server-side tool types the worker runs (DESIGN.md §10); the rest of them are unavailable.
+RUNNABLE_TOOLS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,7 @@ class ResponseService:
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         _check_translatable(route, request, own_items)
+        self._leave_out_unavailable(route, request, response)
         redis_answers = asyncio.ensure_future(self.redis.ping())
         try:
             # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
@@ -174,6 +179,22 @@ class ResponseService:
             _discard(redis_answers)
         await self._enqueue(request, response)
         return response
+
+    def _leave_out_unavailable(self, route: Route, request: CreateRequest, response: dict[str, Any]) -> None:
+        """The server-side tools this deployment cannot run (a chat route's; a Responses upstream runs
+        its own): refused, or left out and named on the Response (`RESPOOL_UNAVAILABLE_TOOLS`)."""
+        if route.is_native or not request.tools:
+            return
+        if self.settings.unavailable_tools == "reject":
+            tools.refuse_unavailable(request.tools, RUNNABLE_TOOLS)
+        left_out = tools.unavailable(request.tools, RUNNABLE_TOOLS)
+        if left_out:
+            response["unavailable_tools"] = [tools.unavailable_note(tool) for _, tool in left_out]
+            log.info(
+                "response %s: left out tools this server cannot run: %s",
+                response["id"],
+                ", ".join(str(tool.get("type")) for _, tool in left_out),
+            )
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""

@@ -9,12 +9,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
 
 Message = dict[str, Any]
 
 # PROTOCOL.md §3: the input item types a Chat Completions conversation can express.
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ITEM_TYPES = frozenset(
+    {
+        "message",
+        "function_call",
+        "function_call_output",
+        "reasoning",
+        "custom_tool_call",
+        "custom_tool_call_output",
+    }
+)
 
 
 @dataclass
@@ -57,11 +68,13 @@ def to_chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> l
     - consecutive assistant `message`, `function_call` and `reasoning` items => one `assistant`
       message: text and refusal parts joined without separator (as `Response.output_text` joins
       them, PROTOCOL.md §1.1), `tool_calls[{id: call_id, type: function, function{name,
-      arguments}}]`, and the reasoning text as `reasoning_content` and `reasoning`
+      arguments}}]`, and the reasoning text as `reasoning_content` and `reasoning`; a call's
+      `name` is `<namespace>__<name>` when it has a `namespace` (as `chat_tools` offers it)
+    - `custom_tool_call` => a tool call like a function call's, its arguments `{"input": <input>}`
     - `reasoning` item text: its `reasoning_text` content, else its summaries; an item with only
       `encrypted_content` adds nothing, as no Chat Completions server can read it
-    - `function_call_output` => `tool` message with `tool_call_id`; list output => its text parts
-      joined; image or file parts => 400, param `input[i].output[j]`
+    - `function_call_output`, `custom_tool_call_output` => `tool` message with `tool_call_id`; list
+      output => its text parts joined; image or file parts => 400, param `input[i].output[j]`
     - any other item type => 400, param `input[i]`
     """
     messages: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
@@ -110,8 +123,14 @@ def _add_assistant_message(turn: _AssistantTurn, item: dict[str, Any], index: in
             raise UnsupportedParameterError(f"Assistant content '{kind}' is not supported.", param=param)
 
 
+def chat_name(name: str, namespace: str | None) -> str:
+    """The name a chat upstream knows a tool by: `<namespace>__<name>` for one in a namespace."""
+    return f"{namespace}__{name}" if namespace else name
+
+
 def _add_function_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
-    function = {"name": _required(item, "name", index), "arguments": item.get("arguments") or ""}
+    name = chat_name(_required(item, "name", index), item.get("namespace"))
+    function = {"name": name, "arguments": item.get("arguments") or ""}
     turn.tool_calls.append(
         {"id": _required(item, "call_id", index), "type": "function", "function": function}
     )
@@ -158,14 +177,28 @@ def _required(item: dict[str, Any], key: str, index: int) -> str:
     return str(value)
 
 
+def _add_custom_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    name = chat_name(_required(item, "name", index), item.get("namespace"))
+    arguments = orjson.dumps({"input": str(item.get("input") or "")}).decode()
+    turn.tool_calls.append(
+        {
+            "id": _required(item, "call_id", index),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+    )
+
+
 _ASSISTANT_ITEMS: dict[str, Callable[[_AssistantTurn, dict[str, Any], int], None]] = {
     "assistant_message": _add_assistant_message,
     "function_call": _add_function_call,
+    "custom_tool_call": _add_custom_call,
     "reasoning": _add_reasoning,
 }
 _STANDALONE_ITEMS: dict[str, Callable[[dict[str, Any], int], Message]] = {
     "message": _input_message,
     "function_call_output": _tool_message,
+    "custom_tool_call_output": _tool_message,
 }
 
 

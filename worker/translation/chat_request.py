@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
+from worker.errors import MissingParameterError, UnsupportedParameterError
 from worker.translation.chat_messages import check_items, present, to_chat_messages
+from worker.translation.chat_tools import call_shapes, tool_params
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -44,12 +45,7 @@ def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], 
 
     Rules:
     - `instructions` and the conversation => `messages` (its rules: `chat_messages.to_chat_messages`)
-    - `tools[i]` of type `function` => `{type: function, function{name, description, parameters,
-      strict}}`; any other type (hosted tools, `custom`, `mcp`, ...) => 400, param `tools[i]`
-    - `tool_choice` `none`/`auto`/`required` => as is; `{type: function, name}` =>
-      `{type: function, function{name}}`; `{type: allowed_tools, mode, tools}` => `tools`
-      restricted to those named and `tool_choice: mode`; any other type => 400, param `tool_choice`
-    - `parallel_tool_calls` => as is, only with tools
+    - `tools`, `tool_choice`, `parallel_tool_calls` => chat tools (their rules: `chat_tools.tool_params`)
     - `text.format` `json_schema` => `response_format{type: json_schema, json_schema{name,
       schema, strict, description}}`; `json_object` => `response_format{type: json_object}`;
       `text` => nothing; `text.verbosity` => `verbosity`
@@ -75,7 +71,7 @@ def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    body.update(_tool_params(request))
+    body.update(tool_params(request))
     body.update({target: request[source] for source, target in _RENAMED if request.get(source) is not None})
     body.update(_reasoning_params(request.get("reasoning")))
     body.update(_text_params(request.get("text")))
@@ -91,7 +87,7 @@ def check(request: dict[str, Any], items: list[dict[str, Any]]) -> None:
     worker never meets it; each rule is the one translation applies (it runs each item's and each
     parameter's), but no messages are assembled and nothing is kept."""
     _refuse_unhonourable(request)
-    _tool_params(request)
+    tool_params(request)
     _reasoning_params(request.get("reasoning"))
     _text_params(request.get("text"))
     check_items(items)
@@ -108,6 +104,7 @@ def stream_options(request: dict[str, Any]) -> dict[str, Any]:
         "include_logprobs": includes_logprobs(request),
         "top_logprobs": int(request.get("top_logprobs") or 0),
         "max_output_tokens": request.get("max_output_tokens"),
+        "call_shapes": call_shapes(request),
     }
 
 
@@ -115,59 +112,6 @@ def _refuse_unhonourable(request: dict[str, Any]) -> None:
     for key, message in _REFUSED.items():
         if request.get(key) is not None:
             raise UnsupportedParameterError(message, param=key)
-
-
-def _tool_params(request: dict[str, Any]) -> dict[str, Any]:
-    tools = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.get("tools") or [])]
-    choice = request.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        tools, choice = _allowed_tools(tools, choice)
-    chat_choice = _chat_tool_choice(choice, {tool["function"]["name"] for tool in tools})
-    if not tools:
-        # Servers reject `tool_choice` without `tools`; none/auto without tools mean no tool call.
-        if chat_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("'tool_choice' needs at least one function tool.", param="tool_choice")
-        return {}
-    params: dict[str, Any] = {"tools": tools}
-    if chat_choice is not None:
-        params["tool_choice"] = chat_choice
-    if request.get("parallel_tool_calls") is not None:
-        params["parallel_tool_calls"] = request["parallel_tool_calls"]
-    return params
-
-
-def _chat_tool(tool: dict[str, Any], param: str) -> dict[str, Any]:
-    kind = tool.get("type")
-    if kind != "function":
-        raise UnsupportedParameterError(f"Tools of type '{kind}' are not supported.", param=param)
-    if not tool.get("name"):
-        raise MissingParameterError(f"{param}.name")
-    return {"type": "function", "function": present(tool, "name", "description", "parameters", "strict")}
-
-
-def _chat_tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> str | dict[str, Any] | None:
-    if choice is None or choice in ("none", "auto", "required"):
-        return choice
-    if not isinstance(choice, dict) or choice.get("type") != "function":
-        kind = choice.get("type") if isinstance(choice, dict) else choice
-        raise UnsupportedParameterError(f"'tool_choice' type '{kind}' is not supported.", param="tool_choice")
-    if choice.get("name") not in names:
-        raise InvalidRequestError(f"'{choice.get('name')}' is not in 'tools'.", param="tool_choice.name")
-    return {"type": "function", "function": {"name": choice["name"]}}
-
-
-def _allowed_tools(tools: list[dict[str, Any]], choice: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """`allowed_tools` => the tools it names, and its mode as the tool choice."""
-    known = {tool["function"]["name"] for tool in tools}
-    allowed = set()
-    for position, entry in enumerate(choice.get("tools") or []):
-        param = f"tool_choice.tools[{position}]"
-        if entry.get("type") != "function":
-            raise UnsupportedParameterError("Only function tools can be allowed tools.", param=param)
-        if entry.get("name") not in known:
-            raise InvalidRequestError(f"'{entry.get('name')}' is not in 'tools'.", param=f"{param}.name")
-        allowed.add(entry["name"])
-    return [tool for tool in tools if tool["function"]["name"] in allowed], str(choice.get("mode") or "auto")
 
 
 def _reasoning_params(reasoning: dict[str, Any] | None) -> dict[str, Any]:

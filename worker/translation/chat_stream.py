@@ -15,7 +15,9 @@ Rules:
   cut to the number asked for: llama-cpp-python adds the sampled token as one more)
 - `delta.refusal` => `message` item, `refusal` part, `response.refusal.delta`
 - `delta.tool_calls[i]` => `function_call` item per upstream `index` (a new `id` at a known index
-  starts another call), `response.function_call_arguments.delta`
+  starts another call), `response.function_call_arguments.delta`; a call of a tool the request
+  offered under another chat name (`chat_tools.CallShape`: a custom tool, or one in a namespace)
+  => that tool's item: `custom_tool_call` with its `input`, or a call with its own name and `namespace`
 - empty, role-only or null deltas => nothing
 - `finish_reason` `length` => incomplete (`max_output_tokens`), `content_filter` => incomplete
   (`content_filter`), anything else => completed; items still open at the end are closed with
@@ -37,6 +39,7 @@ import orjson
 
 from worker.errors import UpstreamStreamError
 from worker.translation import output
+from worker.translation.chat_tools import CallShape
 from worker.translation.output import EventBody, Output
 
 # PROTOCOL.md §1.2: `incomplete_details.reason` per chat `finish_reason` that ends a response early.
@@ -60,6 +63,7 @@ class ChatStream:
     include_logprobs: bool = False
     top_logprobs: int = 0
     max_output_tokens: int | None = None
+    call_shapes: dict[str, CallShape] = field(default_factory=dict)  # chat tool name => its item
     output: Output = field(default_factory=Output)
     call_ids: dict[int, str | None] = field(default_factory=dict)  # upstream tool call id per index
     finish_reason: str | None = None
@@ -67,12 +71,20 @@ class ChatStream:
 
 
 def start_stream(
-    *, include_logprobs: bool = False, top_logprobs: int = 0, max_output_tokens: int | None = None
+    *,
+    include_logprobs: bool = False,
+    top_logprobs: int = 0,
+    max_output_tokens: int | None = None,
+    call_shapes: dict[str, CallShape] | None = None,
 ) -> ChatStream:
     """A fresh stream; `include_logprobs` puts the upstream's token logprobs on text events, with at
-    most `top_logprobs` candidates each; `max_output_tokens` is the request's."""
+    most `top_logprobs` candidates each; `max_output_tokens` is the request's; `call_shapes` says
+    which item a call of each offered chat tool is (`chat_tools.call_shapes`)."""
     return ChatStream(
-        include_logprobs=include_logprobs, top_logprobs=top_logprobs, max_output_tokens=max_output_tokens
+        include_logprobs=include_logprobs,
+        top_logprobs=top_logprobs,
+        max_output_tokens=max_output_tokens,
+        call_shapes=call_shapes or {},
     )
 
 
@@ -130,7 +142,9 @@ def _cut_call_reason(state: ChatStream) -> str | None:
 
 def _has_malformed_arguments(item: output.Item) -> bool:
     arguments = "".join(item.arguments)
-    if item.type != "function_call" or not arguments.strip():  # no arguments at all: nothing cut
+    if (
+        item.type not in ("function_call", output.CUSTOM_CALL) or not arguments.strip()
+    ):  # no arguments at all: nothing cut
         return False
     try:
         orjson.loads(arguments)
@@ -171,12 +185,19 @@ def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[EventBod
     if item is None or is_new_call:
         if not (call_id or name):
             return _orphan_arguments(index, arguments)
-        events = output.open_call(state.output, index, call_id, name)
+        shape = state.call_shapes.get(name or "")
+        fields = {"namespace": shape.namespace} if shape is not None and shape.namespace else None
+        item_type = shape.item_type if shape is not None else "function_call"
+        called = shape.name if shape is not None else name
+        events = output.open_call(state.output, index, call_id, called, fields, item_type=item_type)
         state.call_ids[index] = call_id
         item = output.call(state.output, index)
         assert item is not None
     if name and not item.fields["name"]:
-        item.fields["name"] = name
+        shape = state.call_shapes.get(name)
+        item.fields["name"] = shape.name if shape is not None else name
+        if shape is not None and shape.namespace:
+            item.fields["namespace"] = shape.namespace
     return events + output.append_arguments(item, arguments)
 
 

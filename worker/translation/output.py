@@ -25,11 +25,15 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from worker.ids import new_id, new_item_id
 
 # An event as translation tells it: its JSON as a dict, not yet numbered (the numbered, encoded,
 # stored one is `worker.events.stream.Event`).
 EventBody = dict[str, Any]
+
+CUSTOM_CALL = "custom_tool_call"
 
 # PROTOCOL.md §4: per part type, the event type prefix of its deltas and the field its `.done`
 # event (and the part itself) carries the full text in.
@@ -42,7 +46,7 @@ PART_EVENTS = {
 
 # The fields of an item that this module owns; any other field a caller gives is kept as given.
 # `item_id` is no item field: vLLM's harmony tool calls put the upstream's own id there.
-_OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments", "item_id"})
+_OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments", "input", "item_id"})
 
 
 @dataclass
@@ -152,9 +156,17 @@ def add_annotation(out: Output, annotation: dict[str, Any]) -> list[EventBody]:
 
 
 def open_call(
-    out: Output, key: Hashable, call_id: str | None, name: str | None, fields: dict[str, Any] | None = None
+    out: Output,
+    key: Hashable,
+    call_id: str | None,
+    name: str | None,
+    fields: dict[str, Any] | None = None,
+    *,
+    item_type: str = "function_call",
 ) -> list[EventBody]:
-    """Open a function call under `key`; an open call under the same key is done first."""
+    """Open a call under `key`: a `function_call`, or a `custom_tool_call` (whose arguments are the
+    JSON `{"input": ...}` a chat upstream was asked for, told as its input when it ends); an open
+    call under the same key is done first."""
     events = close_current(out)
     if key in out.side:
         events += close_item(out.side.pop(key), "completed")
@@ -162,8 +174,8 @@ def open_call(
         out,
         {
             **kept_fields(fields),
-            "id": new_item_id("function_call"),
-            "type": "function_call",
+            "id": new_item_id(item_type),
+            "type": item_type,
             "call_id": call_id or new_id("call"),
             "name": name or "",
         },
@@ -178,10 +190,25 @@ def call(out: Output, key: Hashable) -> Item | None:
 
 
 def append_arguments(item: Item, arguments: str | None) -> list[EventBody]:
+    """More of a call's arguments: told as they come for a function call; a custom tool call's input
+    is told when it ends (its arguments are JSON around it, which cannot be told as input piecemeal)."""
     if not arguments:
         return []
     item.arguments.append(arguments)
+    if item.type == CUSTOM_CALL:
+        return []
     return [{"type": "response.function_call_arguments.delta", **address(item), "delta": arguments}]
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool call's input from the arguments a chat upstream sent: `{"input": ...}`'s string,
+    or the arguments as they are if they are not that."""
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    value = parsed.get("input") if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
 
 
 def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[EventBody]:
@@ -241,6 +268,11 @@ def close_item(item: Item, status: str) -> list[EventBody]:
         events.append(
             {"type": "response.function_call_arguments.done", **address(item), "arguments": arguments}
         )
+    elif item.type == CUSTOM_CALL and item.body is None:
+        text = custom_input("".join(item.arguments))
+        if text:
+            events.append({"type": "response.custom_tool_call_input.delta", **address(item), "delta": text})
+        events.append({"type": "response.custom_tool_call_input.done", **address(item), "input": text})
     item.status = status
     return [*events, item_event("done", item)]
 
@@ -353,6 +385,8 @@ def item_body(item: Item) -> dict[str, Any]:
     body = {**item.fields}
     if item.type == "function_call":
         body["arguments"] = "".join(item.arguments)
+    elif item.type == CUSTOM_CALL:
+        body["input"] = custom_input("".join(item.arguments))
     else:
         if item.type == "reasoning":
             body["summary"] = [_part_body(part) for part in item.summary]

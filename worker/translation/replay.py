@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.translation.output import EventBody, Item, Output, Part, kept_fields
+from worker.translation.output import CUSTOM_CALL, EventBody, Item, Output, Part, kept_fields
 
 
 def rebuild(events: Iterable[EventBody]) -> Output:
@@ -27,7 +27,7 @@ def _replay_item_added(out: Output, event: EventBody) -> None:
     if item.type in ("message", "reasoning"):  # told part by part; the rest are side items
         out.current = item
     else:
-        if item.type != "function_call":
+        if item.type not in ("function_call", CUSTOM_CALL):
             item.body = given
         out.side[item.id] = item
 

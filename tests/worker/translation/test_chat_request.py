@@ -8,6 +8,7 @@ import pytest
 
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
 from worker.translation.chat_request import check, includes_logprobs, to_chat_request
+from worker.translation.chat_tools import CUSTOM_PARAMETERS
 
 Item = dict[str, Any]
 BASE = {"model": "up", "stream": True, "stream_options": {"include_usage": True}}
@@ -18,6 +19,19 @@ WEATHER = {
     "parameters": {"type": "object"},
 }
 TIME = {"type": "function", "name": "get_time", "parameters": None, "strict": None}
+HOSTED = {"type": "web_search"}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "agents",
+    "description": "Agents.",
+    "tools": [{"type": "function", "name": "spawn"}, {"type": "custom", "name": "note"}],
+}
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+}
 
 
 def message(role: str, *parts: Item) -> Item:
@@ -118,6 +132,28 @@ CONVERSATIONS = [
     ("message-without-type", None, [{"role": "user", "content": [text("Hi")]}], [USER_HI]),
     ("image-and-file-parts", None, [message("user", *LOOK)], [{"role": "user", "content": LOOK_PARTS}]),
     ("assistant-text-and-calls-merge", None, [*HELLO, *TURN], [USER_HI, *TURN_MESSAGES]),
+    (
+        "namespaced-and-custom-calls-by-their-chat-names",
+        None,
+        [
+            {**function_call("call_1", "spawn", '{"task":"t"}'), "namespace": "agents"},
+            {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": 'say "hi"'},
+            call_output("call_1", "spawned"),
+            {"type": "custom_tool_call_output", "call_id": "call_2", "output": "patched"},
+        ],
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    tool_call("call_1", "agents__spawn", '{"task":"t"}'),
+                    tool_call("call_2", "apply_patch", '{"input":"say \\"hi\\""}'),
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "spawned"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "patched"},
+        ],
+    ),
     (
         "call-without-text-has-empty-content",
         None,
@@ -221,6 +257,37 @@ PARAMETERS = [
         {"tools": [WEATHER, TIME], "tool_choice": ONLY_TIME},
         {"tools": [chat_function("get_time")], "tool_choice": "required"},
     ),
+    (
+        "server-side-tools-not-offered",
+        {"tools": [HOSTED, TIME, {"type": "mcp", "server_label": "s"}, {"type": "file_search"}]},
+        {"tools": [chat_function("get_time")]},
+    ),
+    ("only-server-side-tools", {"tools": [HOSTED], "tool_choice": "auto"}, {}),
+    (
+        "custom-tool-as-a-function-of-one-string",
+        {"tools": [PATCH], "tool_choice": {"type": "custom", "name": "apply_patch"}},
+        {
+            "tools": [
+                chat_function(
+                    "apply_patch",
+                    description="Edit files.\nIts input follows this lark:\nstart: /.+/",
+                    parameters=CUSTOM_PARAMETERS,
+                )
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "apply_patch"}},
+        },
+    ),
+    (
+        "namespace-members-by-prefixed-names",
+        {"tools": [NAMESPACE, TIME]},
+        {
+            "tools": [
+                chat_function("agents__spawn"),
+                chat_function("agents__note", parameters=CUSTOM_PARAMETERS),
+                chat_function("get_time"),
+            ]
+        },
+    ),
     ("tool-settings-without-tools-dropped", {"tool_choice": "auto", "parallel_tool_calls": True}, {}),
     ("tool-choice-none-without-tools", {"tool_choice": "none", "tools": []}, {}),
     (
@@ -282,7 +349,6 @@ def test_includes_logprobs(request_: dict[str, Any], expected: bool) -> None:
     assert includes_logprobs(request_) is expected
 
 
-HOSTED = {"type": "web_search"}
 # Unsupported (unsupported_parameter), Missing (missing_required_parameter), inValid (invalid_value).
 U, M, V = UnsupportedParameterError, MissingParameterError, InvalidRequestError
 ALLOWED = {"type": "allowed_tools", "mode": "auto"}
@@ -290,13 +356,25 @@ IMAGE = {"type": "input_image", "image_url": "https://x/a.png", "detail": "auto"
 
 # (id, request, error, param): parameters nobody here can honour.
 PARAMETER_ERRORS = [
-    ("hosted-tool", {"tools": [HOSTED]}, U, "tools[0]"),
-    ("second-tool-hosted", {"tools": [TIME, {"type": "file_search"}]}, U, "tools[1]"),
-    ("custom-tool", {"tools": [{"type": "custom", "name": "x"}]}, U, "tools[0]"),
-    ("mcp-tool", {"tools": [{"type": "mcp", "server_label": "s"}]}, U, "tools[0]"),
     ("nameless-tool", {"tools": [{"type": "function"}]}, M, "tools[0].name"),
+    ("nameless-custom-tool", {"tools": [{"type": "custom"}]}, M, "tools[0].name"),
+    ("nameless-namespace", {"tools": [{"type": "namespace", "tools": [TIME]}]}, M, "tools[0].name"),
+    ("hosted-in-namespace", {"tools": [{**NAMESPACE, "tools": [HOSTED]}]}, U, "tools[0].tools[0]"),
+    (
+        "namespaced-nameless",
+        {"tools": [{**NAMESPACE, "tools": [{"type": "function"}]}]},
+        M,
+        "tools[0].tools[0].name",
+    ),
+    ("one-chat-name-twice", {"tools": [TIME, {**TIME, "type": "custom"}]}, V, "tools[1]"),
+    ("namespace-clash", {"tools": [NAMESPACE, {"type": "function", "name": "agents__spawn"}]}, V, "tools[1]"),
     ("hosted-choice", {"tools": [TIME], "tool_choice": {"type": "file_search"}}, U, "tool_choice"),
-    ("custom-choice", {"tools": [TIME], "tool_choice": {"type": "custom", "name": "x"}}, U, "tool_choice"),
+    (
+        "custom-choice-unknown",
+        {"tools": [TIME], "tool_choice": {"type": "custom", "name": "x"}},
+        V,
+        "tool_choice.name",
+    ),
     ("bad-choice", {"tools": [TIME], "tool_choice": "sometimes"}, U, "tool_choice"),
     (
         "choice-unknown",

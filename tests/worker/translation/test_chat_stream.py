@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 from tests.support.schema import validate_event, validate_response
 from worker.errors import UpstreamStreamError
 from worker.translation.chat_stream import Outcome, finish_stream, start_stream, translate_chunk
+from worker.translation.chat_tools import call_shapes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -62,9 +63,13 @@ def run(
     include_logprobs: bool = False,
     top_logprobs: int = 20,
     max_output_tokens: int | None = None,
+    tools: Events = (),  # type: ignore[assignment]
 ) -> tuple[Events, Outcome]:
     state = start_stream(
-        include_logprobs=include_logprobs, top_logprobs=top_logprobs, max_output_tokens=max_output_tokens
+        include_logprobs=include_logprobs,
+        top_logprobs=top_logprobs,
+        max_output_tokens=max_output_tokens,
+        call_shapes=call_shapes({"tools": list(tools)}),
     )
     events = [event for chunk in chunks for event in translate_chunk(state, chunk)]
     closing, outcome = finish_stream(state)
@@ -87,6 +92,8 @@ def fold(events: Events) -> Events:
             items[index]["content"].append(copy.deepcopy(event["part"]))
         elif kind == "response.function_call_arguments.delta":
             items[index]["arguments"] += event["delta"]
+        elif kind == "response.custom_tool_call_input.delta":
+            items[index]["input"] += event["delta"]
         elif kind.endswith(".delta"):
             target = items[index]["content"][event["content_index"]]
             target["refusal" if target["type"] == "refusal" else "text"] += event["delta"]
@@ -492,3 +499,66 @@ def test_llama_cpp_pythons_cut_call_on_its_real_stream_ends_incomplete() -> None
     )
     for sequence_number, event in enumerate(events):
         validate_event({**event, "sequence_number": sequence_number})
+
+
+NAMESPACED_AND_CUSTOM = [
+    {
+        "type": "namespace",
+        "name": "agents",
+        "description": "Agents.",
+        "tools": [{"type": "function", "name": "spawn"}],
+    },
+    {"type": "custom", "name": "apply_patch"},
+    {"type": "function", "name": "get_time", "description": None, "parameters": None, "strict": None},
+]
+
+
+def test_calls_of_namespaced_and_custom_tools_come_back_as_their_items() -> None:
+    """A chat call of `agents__spawn` is a `function_call` of `spawn` in namespace `agents`; one of a
+    custom tool is a `custom_tool_call` whose input is the `input` argument, told as input events."""
+    chunks = [
+        tool_chunk(0, "call_a", name="agents__spawn", arguments='{"task":'),
+        tool_chunk(0, arguments='"t"}'),
+        tool_chunk(1, "call_b", name="apply_patch", arguments='{"input": "*** Begin'),
+        tool_chunk(1, arguments=' Patch\\n"}'),
+        tool_chunk(2, "call_c", name="get_time", arguments="{}"),
+        chunk({}, "tool_calls"),
+    ]
+    events, outcome = run(chunks, tools=NAMESPACED_AND_CUSTOM)
+    spawn, patch, clock = outcome.output
+    assert (spawn["type"], spawn["name"], spawn["namespace"], spawn["arguments"]) == (
+        "function_call",
+        "spawn",
+        "agents",
+        '{"task":"t"}',
+    )
+    assert (patch["type"], patch["name"], patch["input"], patch["call_id"]) == (
+        "custom_tool_call",
+        "apply_patch",
+        "*** Begin Patch\n",
+        "call_b",
+    )
+    assert patch["id"].startswith("ctc_") and "namespace" not in patch and "arguments" not in patch
+    assert (clock["type"], clock["name"]) == ("function_call", "get_time") and "namespace" not in clock
+    patch_events = [event["type"] for event in events if event.get("item_id") == patch["id"]]
+    assert patch_events == ["response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"]
+    assert fold(events) == outcome.output
+    for sequence_number, event in enumerate(events):
+        wire = {**event, "sequence_number": sequence_number}
+        validate_event(wire)
+        assert EVENT.validate_python(wire).type == event["type"]
+    for entry in outcome.output:
+        assert OUTPUT_ITEM.validate_python(entry).type == entry["type"]
+    validate_response(
+        {**RESPONSE, "status": "completed", "completed_at": 2, "output": outcome.output}
+        | {"incomplete_details": None, "usage": None, "tools": NAMESPACED_AND_CUSTOM}
+    )
+
+
+def test_a_custom_call_whose_arguments_are_not_the_input_object_keeps_them_as_its_input() -> None:
+    """An upstream that sends a custom tool's input bare (not `{"input": ...}`) still gets it through."""
+    _, outcome = run(
+        [tool_chunk(0, "call_b", name="apply_patch", arguments='"just text"'), chunk({}, "tool_calls")],
+        tools=NAMESPACED_AND_CUSTOM,
+    )
+    assert outcome.output[0]["input"] == '"just text"'

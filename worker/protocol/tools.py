@@ -1,0 +1,46 @@
+"""The tools of a create request, sorted by who runs them (DESIGN.md §10). Pure: no I/O.
+
+- client-side: `function` and `custom` tools, and `namespace` groups of them: offered to the model;
+  a call ends the response and goes back to the client, which runs it;
+- everything else (`web_search`, `mcp`, `code_interpreter`, `image_generation`, `file_search`, ...)
+  is run by the server: by respool's worker where it has a backend for it (`runnable`), else it is
+  unavailable. An unavailable tool is, by default, left out of what the model is offered and named
+  on the Response (`unavailable_tools`); `RESPOOL_UNAVAILABLE_TOOLS=reject` refuses the request
+  instead, as a 400 naming it.
+
+A Responses upstream runs its own hosted tools: this sorting is for the other backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.errors import UnsupportedParameterError
+
+CLIENT_SIDE = frozenset({"function", "custom", "namespace"})
+
+
+def unavailable(tools: list[dict[str, Any]], runnable: frozenset[str]) -> list[tuple[int, dict[str, Any]]]:
+    """The tools (with their index in `tools`) that neither the client nor this deployment runs."""
+    return [
+        (index, tool)
+        for index, tool in enumerate(tools)
+        if tool.get("type") not in CLIENT_SIDE and tool.get("type") not in runnable
+    ]
+
+
+def unavailable_note(tool: dict[str, Any]) -> dict[str, Any]:
+    """How a left-out tool is named on the Response."""
+    kind = str(tool.get("type"))
+    named = {"server_label": tool["server_label"]} if kind == "mcp" and "server_label" in tool else {}
+    return {"type": kind, **named, "reason": f"this server has no backend for '{kind}' tools"}
+
+
+def refuse_unavailable(tools: list[dict[str, Any]], runnable: frozenset[str]) -> None:
+    """`RESPOOL_UNAVAILABLE_TOOLS=reject`: the first unavailable tool is a 400 naming it."""
+    for index, tool in unavailable(tools, runnable):
+        raise UnsupportedParameterError(
+            f"Tools of type '{tool.get('type')}' are not supported by this server "
+            "(RESPOOL_UNAVAILABLE_TOOLS=reject).",
+            param=f"tools[{index}]",
+        )
