@@ -23,6 +23,9 @@
     │   ├── TransientUpstreamError        worth another attempt, if nothing reached a client yet
     │   ├── UpstreamStreamError           what the upstream streamed is a failure or breaks its protocol
     │   └── MidStreamError                any of those after output had started: carries that output
+    ├── ToolError                         a server-side tool could not be reached or run: the model,
+    │   │                                 or the Response's failure, is told its message
+    │   └── OutboundRefusedError          the SSRF rule refused a destination (worker/outbound.py)
     ├── FencedOutError                    control signal: another attempt holds the response now
     ├── CancelRequestedError              control signal: a cancel was requested for the response
     └── ConfigError (also a ValueError)   the routing configuration is unusable, found at start
@@ -278,3 +281,15 @@ class CancelRequestedError(Exception):
 
 class ConfigError(ValueError):
     """The routing configuration is unusable; raised at start, never per request."""
+
+
+class ToolError(Exception):
+    """A server-side tool (an MCP server, a search backend) could not be reached or run."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class OutboundRefusedError(ToolError):
+    """An outbound destination the SSRF rule refuses (DESIGN.md §13)."""

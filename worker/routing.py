@@ -8,6 +8,11 @@ env vars, and the built-in `synthetic` model.
     upstream_model = "meta-llama/Llama-3.1-8B-Instruct"   # defaults to the table's name
     api_key_env = "VLLM_API_KEY"      # optional: the env var holding the upstream's key
 
+    # MCP servers a request may name by label alone: {"type": "mcp", "server_label": "docs"}
+    [mcp_servers.docs]
+    url = "https://docs-mcp.internal/mcp"
+    headers_env = { Authorization = "DOCS_MCP_AUTHORIZATION" }   # header => env var with its value
+
 Keys are read from the environment when a request is sent, never stored in a row or a job.
 """
 
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,19 @@ from worker.settings import Settings
 
 SYNTHETIC = "synthetic"
 UPSTREAM_KEY_ENV = "RESPOOL_UPSTREAM_API_KEY"
+
+
+@dataclass(frozen=True)
+class RegisteredServer:
+    """An MCP server the operator registered under a label (DESIGN.md §10)."""
+
+    label: str
+    url: str
+    headers_env: tuple[tuple[str, str], ...] = ()  # (header, env var holding its value)
+
+    def headers(self) -> dict[str, str]:
+        """Its headers, read from the environment now (never stored)."""
+        return {name: os.environ.get(env, "") for name, env in self.headers_env}
 
 
 class UpstreamApi(StrEnum):
@@ -59,6 +77,7 @@ class Routes:
 
     models: dict[str, Route]
     fallback: Route | None = None
+    mcp_servers: dict[str, RegisteredServer] = field(default_factory=dict)
 
     def resolve(self, model: str) -> Route:
         """The route for `model`, or `ModelNotFoundError`."""
@@ -91,21 +110,43 @@ class Routes:
 def load_routes(settings: Settings) -> Routes:
     """Build the routing table from the config file and env; raise `ConfigError` if they are wrong."""
     models = {SYNTHETIC: Route(SYNTHETIC, UpstreamApi.SYNTHETIC)}
+    servers: dict[str, RegisteredServer] = {}
     if settings.config is not None:
-        models.update(_read_config(settings.config))
+        document = _read_config(settings.config)
+        models.update(_models(document, settings.config))
+        servers = _servers(document, settings.config)
     fallback = None
     if settings.upstream_url:
         api = _api(settings.upstream_api, "RESPOOL_UPSTREAM_API")
         key_env = UPSTREAM_KEY_ENV if settings.upstream_api_key is not None else None
         fallback = Route("*", api, settings.upstream_url.rstrip("/"), "", key_env)
-    return Routes(models, fallback)
+    return Routes(models, fallback, servers)
 
 
-def _read_config(path: Path) -> dict[str, Route]:
+def _read_config(path: Path) -> dict[str, Any]:
     try:
-        document = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
+
+
+def _servers(document: dict[str, Any], path: Path) -> dict[str, RegisteredServer]:
+    tables = document.get("mcp_servers", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: [mcp_servers] must be a table of servers")
+    servers = {}
+    for label, table in tables.items():
+        if not isinstance(table, dict) or not table.get("url"):
+            raise ConfigError(f'{path}: [mcp_servers."{label}"] needs a url')
+        headers = table.get("headers_env", {})
+        if not isinstance(headers, dict):
+            raise ConfigError(f'{path}: [mcp_servers."{label}"].headers_env must be a table')
+        pairs = tuple((str(name), str(env)) for name, env in headers.items())
+        servers[label] = RegisteredServer(label, str(table["url"]), pairs)
+    return servers
+
+
+def _models(document: dict[str, Any], path: Path) -> dict[str, Route]:
     tables = document.get("models", {})
     if not isinstance(tables, dict):
         raise ConfigError(f"{path}: [models] must be a table of models")

@@ -160,7 +160,8 @@ BAD_BODIES = [
     ),
     ({"model": "m", "input": "x", "metadata": {"k": "v" * 513}}, "metadata", "invalid_value"),
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
-    ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]", None),
+    ({"model": "m", "input": "x", "tools": [{"type": "web_surf"}]}, "tools[0].type", None),
+    ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type", None),
     ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     (
         {"model": "m", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},

@@ -15,9 +15,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.errors import UnsupportedParameterError
+from worker.errors import InvalidRequestError, UnsupportedParameterError
 
 CLIENT_SIDE = frozenset({"function", "custom", "namespace"})
+# Every tool type the `openai` SDK's `Tool` union has (the reference for shapes, PROTOCOL.md).
+KNOWN_TYPES = frozenset(
+    {
+        "function", "custom", "namespace", "file_search", "computer", "computer_use_preview",
+        "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+        "mcp", "code_interpreter", "programmatic_tool_calling", "image_generation", "local_shell",
+        "shell", "tool_search", "apply_patch",
+    }
+)  # fmt: skip
+
+
+def check_types(tools: list[dict[str, Any]]) -> None:
+    """Every tool is an object whose `type` is one the SDK knows: else a 400 naming it."""
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str) or kind not in KNOWN_TYPES:
+            raise InvalidRequestError(
+                f"Invalid tool type {kind!r}: expected one of {sorted(KNOWN_TYPES)}.",
+                param=f"tools[{index}].type",
+            )
 
 
 def unavailable(tools: list[dict[str, Any]], runnable: frozenset[str]) -> list[tuple[int, dict[str, Any]]]:

@@ -158,8 +158,8 @@ class ResponseService:
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
-        _check_translatable(route, request, own_items)
         self._leave_out_unavailable(route, request, response)
+        _check_translatable(route, request, own_items)
         redis_answers = asyncio.ensure_future(self.redis.ping())
         try:
             # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
@@ -183,7 +183,10 @@ class ResponseService:
     def _leave_out_unavailable(self, route: Route, request: CreateRequest, response: dict[str, Any]) -> None:
         """The server-side tools this deployment cannot run (a chat route's; a Responses upstream runs
         its own): refused, or left out and named on the Response (`RESPOOL_UNAVAILABLE_TOOLS`)."""
-        if route.is_native or not request.tools:
+        if not request.tools:
+            return
+        tools.check_types(request.tools)
+        if route.is_native:
             return
         if self.settings.unavailable_tools == "reject":
             tools.refuse_unavailable(request.tools, RUNNABLE_TOOLS)
