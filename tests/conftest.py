@@ -95,6 +95,7 @@ def stack(backing: Servers, upstream: ScriptedUpstream, session_dir: Path) -> It
         RESPOOL_UPSTREAM_URL=upstream.url,
         RESPOOL_UPSTREAM_API="chat",
         RESPOOL_CONFIG=str(config),
+        RESPOOL_OUTBOUND_ALLOWLIST="127.0.0.0/8",  # the test MCP and search servers are on loopback
     )
     running = Stack(env, logs)
     running.run("migrate")

@@ -286,9 +286,10 @@ class ConfigError(ValueError):
 class ToolError(Exception):
     """A server-side tool (an MCP server, a search backend) could not be reached or run."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, output: list[dict[str, object]] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.output = output or []  # the response's output when it failed on this, as told
 
 
 class OutboundRefusedError(ToolError):

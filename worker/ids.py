@@ -13,6 +13,10 @@ ITEM_PREFIXES = {
     "function_call_output": "fco",
     "custom_tool_call": "ctc",
     "custom_tool_call_output": "ctco",
+    "mcp_list_tools": "mcpl",
+    "mcp_call": "mcp",
+    "mcp_approval_request": "mcpr",
+    "mcp_approval_response": "mcpa",
 }
 
 

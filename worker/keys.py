@@ -43,7 +43,14 @@ def response_keys(response_id: str) -> list[str]:
         attempt_key(response_id),
         cancel_key(response_id),
         observed_key(response_id),
+        secrets_key(response_id),
     ]
+
+
+def secrets_key(response_id: str) -> str:
+    """The secrets a response's `mcp` tools carry (`headers`, `authorization`), JSON per server
+    label: kept out of its row and events, read by the worker that runs it (DESIGN.md §10)."""
+    return f"{PREFIX}:{{{response_id}}}:secrets"
 
 
 def rate_key(owner: str) -> str:

@@ -17,6 +17,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from worker.events.stream import Event, add_events
+from worker.keys import secrets_key
 
 # The job function, as RQ records it in every job: the runner package's own name for it, which a
 # worker of an earlier release (during a rolling upgrade) and of a later one both resolve.
@@ -61,14 +62,22 @@ def enqueue_commands(
 
 
 async def enqueue(
-    redis: AsyncRedis, queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
+    redis: AsyncRedis,
+    queue: Queue,
+    response_id: str,
+    first_events: list[Event],
+    max_attempts: int,
+    secrets: tuple[bytes, int] | None = None,
 ) -> None:
-    """Append the response's first events and enqueue its job, in one MULTI on an asyncio client."""
+    """Append the response's first events and enqueue its job, in one MULTI on an asyncio client;
+    with `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
     if queue.redis_server_version is None:  # RQ asks once per process: ask it here
         info = await redis.info("server")
         queue.redis_server_version = parse_server_version(info["redis_version"])
     commands = enqueue_commands(queue, response_id, first_events, max_attempts)
     async with redis.pipeline(transaction=True) as pipe:
+        if secrets is not None:
+            pipe.set(secrets_key(response_id), secrets[0], ex=secrets[1])
         for args, options in commands:
             pipe.execute_command(*args, **options)
         await pipe.execute()

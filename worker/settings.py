@@ -107,6 +107,13 @@ class Settings(BaseSettings):
     # CLI's `web_search` with no search backend) is left out of what the model is offered and named
     # on the Response's `unavailable_tools` ("drop"), or refused as a 400 ("reject").
     unavailable_tools: Literal["drop", "reject"] = "drop"
+    # DESIGN.md §13: outbound connections (MCP servers, search backends, webhooks) go to public
+    # addresses only; this comma-separated list of hosts, host:ports, IPs and CIDRs opens others.
+    outbound_allowlist: str = ""
+    # How long a queued or running response's tool secrets (an mcp tool's headers) are kept for it.
+    tool_secrets_seconds: int = Field(default=86400, gt=0)
+    # A server-side tool's call (an MCP call, a search) gives up after this long.
+    tool_timeout_seconds: float = Field(default=120.0, gt=0)
 
     # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
     sse_heartbeat_seconds: float = 15.0

@@ -70,6 +70,8 @@ def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bo
     """Every chat.completion.chunk the script produces, without the closing [DONE]."""
     if "chunks" in script:
         return [raw_chat_chunk(envelope, given) for given in script["chunks"]]
+    if "tool_loop" in script:
+        return tool_loop_chunks(script["tool_loop"], body, envelope)
     turns = conversation(body.get("messages"))
     pieces = text_pieces(script_text(script, turns), int(script.get("words_per_chunk", 1)))
     deltas = [{"role": "assistant", "content": ""}, *({"content": piece} for piece in pieces)]
@@ -81,6 +83,38 @@ def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bo
     if is_usage_wanted and usage is not None:
         chunks.append({**envelope, "choices": [], "usage": usage})
     return chunks
+
+
+# Arguments the tool-loop model fills a tool's parameters with, per JSON Schema type.
+SAMPLE_ARGUMENTS = {"string": "Paris", "integer": 2, "number": 0.01, "boolean": True}
+
+
+def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
+    """The tool-loop model: while the conversation holds fewer than `steps` tool results (default
+    1), it calls the tool `tool` names (default: the first one offered; `tools` gives one per step),
+    its parameters filled with sample values; then it answers "The tool said: <last result>".
+    `answer_delay` pauses between the answer's words, so a test can catch it mid-turn."""
+    messages = body.get("messages") or []
+    results = [message for message in messages if message.get("role") == "tool"]
+    offered = [tool["function"] for tool in body.get("tools") or []]
+    steps = int(spec.get("steps", 1))
+    names = spec.get("tools") or ([spec["tool"]] if spec.get("tool") else [])
+    if len(results) < steps and offered:
+        wanted = names[len(results) % len(names)] if names else offered[0]["name"]
+        function = next((f for f in offered if f["name"].endswith(wanted)), offered[0])
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        arguments = {key: SAMPLE_ARGUMENTS.get(value.get("type"), "x") for key, value in properties.items()}
+        call = {"index": 0, "id": f"call_{len(results)}", "type": "function"}
+        call["function"] = {"name": function["name"], "arguments": json.dumps(arguments)}
+        return [
+            chat_chunk(envelope, {"role": "assistant", "content": None, "tool_calls": [call]}),
+            chat_chunk(envelope, {}, "tool_calls"),
+        ]
+    said = str(results[-1].get("content")) if results else "nothing"
+    pieces = text_pieces(f"The tool said: {said}", 1)
+    chunks = [chat_chunk(envelope, {"role": "assistant", "content": ""})]
+    chunks += [chat_chunk(envelope, {"content": piece}) for piece in pieces]
+    return [*chunks, chat_chunk(envelope, {}, "stop")]
 
 
 def merge_tool_call(calls: dict[int, Json], delta: Json) -> None:

@@ -21,6 +21,7 @@ _REQUIRED = {
     "function_call_output": ("call_id", "output"),
     "custom_tool_call": ("call_id", "name", "input"),
     "custom_tool_call_output": ("call_id", "output"),
+    "mcp_approval_response": ("approval_request_id", "approve"),
 }
 CALLS = {"function_call": "function_call_output", "custom_tool_call": "custom_tool_call_output"}
 OUTPUTS = frozenset(CALLS.values())
@@ -50,7 +51,7 @@ def _normalize_item(item: dict[str, Any], param: str) -> dict[str, Any]:
         _require(item, param, *_REQUIRED[kind])
     normalized = {**item, "type": kind}
     normalized.setdefault("id", new_item_id(kind))
-    if kind in _REQUIRED:
+    if kind in CALLS or kind in OUTPUTS:
         normalized.setdefault("status", "completed")
     return normalized
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.errors import InvalidRequestError, UnsupportedParameterError
+from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
 
 CLIENT_SIDE = frozenset({"function", "custom", "namespace"})
 # Every tool type the `openai` SDK's `Tool` union has (the reference for shapes, PROTOCOL.md).
@@ -64,3 +64,100 @@ def refuse_unavailable(tools: list[dict[str, Any]], runnable: frozenset[str]) ->
             "(RESPOOL_UNAVAILABLE_TOOLS=reject).",
             param=f"tools[{index}]",
         )
+
+
+# --- MCP (DESIGN.md §10) ------------------------------------------------------------------------
+
+# What a client's `mcp` tool carries that is a secret: kept out of every row, event and log; the
+# worker gets it through Redis for the response's life (`split_secrets`).
+SECRET_FIELDS = ("headers", "authorization")
+
+
+def mcp_tools(tools: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """The request's `mcp` tools, with their index in `tools`."""
+    return [(index, tool) for index, tool in enumerate(tools) if tool.get("type") == "mcp"]
+
+
+def check_mcp(tools: list[dict[str, Any]], registered: frozenset[str]) -> None:
+    """Each `mcp` tool names a server it can reach: a `server_label`, and a `server_url` unless the
+    operator registered that label; one label per server; the fields respool cannot honour refused."""
+    labels: set[str] = set()
+    for index, tool in mcp_tools(tools):
+        param = f"tools[{index}]"
+        label = tool.get("server_label")
+        if not isinstance(label, str) or not label:
+            raise MissingParameterError(f"{param}.server_label")
+        if label in labels:
+            raise InvalidRequestError(
+                f"Two mcp tools have server_label '{label}'.", param=f"{param}.server_label"
+            )
+        labels.add(label)
+        if tool.get("connector_id"):
+            raise UnsupportedParameterError(
+                "OpenAI connectors are not available here; give a server_url.", param=f"{param}.connector_id"
+            )
+        url = tool.get("server_url")
+        if url is None and label not in registered:
+            raise InvalidRequestError(
+                f"The mcp tool '{label}' needs a server_url: no server is registered under that label.",
+                param=f"{param}.server_url",
+            )
+        if url is not None and not isinstance(url, str):
+            raise InvalidRequestError("'server_url' must be a string.", param=f"{param}.server_url")
+        headers = tool.get("headers")
+        if headers is not None and (
+            not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values())
+        ):
+            raise InvalidRequestError("'headers' must map names to strings.", param=f"{param}.headers")
+
+
+def split_secrets(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:
+    """The tools without their secrets, and the secrets: per server label, the headers to send
+    (`authorization` becomes `Authorization: Bearer …`, as OpenAI sends it)."""
+    clean, secrets = [], {}
+    for tool in tools:
+        if tool.get("type") != "mcp" or not any(tool.get(name) for name in SECRET_FIELDS):
+            clean.append(tool)
+            continue
+        headers = dict(tool.get("headers") or {})
+        if tool.get("authorization"):
+            headers["Authorization"] = f"Bearer {tool['authorization']}"
+        secrets[str(tool["server_label"])] = headers
+        clean.append({key: value for key, value in tool.items() if key not in SECRET_FIELDS})
+    return clean, secrets
+
+
+def _matches(spec: object, name: str, read_only: bool) -> bool:
+    """Whether a tool filter (a list of names, or `{tool_names, read_only}`) matches a tool."""
+    if isinstance(spec, list):
+        return name in spec
+    if not isinstance(spec, dict):
+        return False
+    names, flag = spec.get("tool_names"), spec.get("read_only")
+    if names is None and flag is None:
+        return False
+    return (names is None or name in names) and (flag is None or flag == read_only)
+
+
+def mcp_allows(tool: dict[str, Any], name: str, read_only: bool) -> bool:
+    """Whether the `mcp` tool's `allowed_tools` lets the model see `name` (none given: all)."""
+    allowed = tool.get("allowed_tools")
+    return allowed is None or _matches(allowed, name, read_only)
+
+
+def mcp_needs_approval(tool: dict[str, Any], name: str, read_only: bool) -> bool:
+    """Whether a call of `name` waits for the client's approval: `require_approval` `"never"`,
+    `"always"`, or `{always: filter, never: filter}`; unset, approval is required (OpenAI's default)."""
+    rule = tool.get("require_approval")
+    if rule in (None, "always"):
+        return True
+    if rule == "never":
+        return False
+    if isinstance(rule, dict):
+        if _matches(rule.get("never"), name, read_only):
+            return False
+        if _matches(rule.get("always"), name, read_only):
+            return True
+        # Unmatched: no approval when only `always` names tools, else OpenAI's default.
+        return not ("always" in rule and "never" not in rule)
+    return True

@@ -16,7 +16,14 @@ from functools import partial
 from typing import Any
 
 from worker import logs
-from worker.errors import CancelRequestedError, FencedOutError, MidStreamError, UpstreamError, redact
+from worker.errors import (
+    CancelRequestedError,
+    FencedOutError,
+    MidStreamError,
+    ToolError,
+    UpstreamError,
+    redact,
+)
 from worker.events.lease import Lease
 from worker.events.stream import (
     expire_response,
@@ -29,12 +36,14 @@ from worker.outages import patiently
 from worker.postgres import store
 from worker.protocol.response import TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
+from worker.runner import tool_loop
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.runner.synthetic import synthetic_chunks
 from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, stream_json
 from worker.settings import Settings
 from worker.translation import chat_request, chat_stream, native, output, replay
+from worker.translation.chat_tools import ServerTool
 
 log = logging.getLogger("respool.runner")
 
@@ -125,7 +134,13 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
     if lease.attempt > 1 and last is not None and last.type != "response.queued":
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
     last_type = None if last is None else last.type
-    if last_type is not None and last_type not in BEFORE_OUTPUT:
+    resumed = None
+    if last_type is not None and last_type not in BEFORE_OUTPUT and tool_loop.uses_tools(stored.request):
+        resumed = await _resumable(rt, writer, response)
+    if resumed is not None:
+        log.info("response %s: attempt %d resumes its tool loop", stored.id, lease.attempt)
+        last_type = "response.in_progress"
+    elif last_type is not None and last_type not in BEFORE_OUTPUT:
         # DESIGN.md §4: an earlier attempt's output is in the stream. Unless a relay has read it,
         # nobody saw it: this attempt starts the stream's output over and generates it again.
         started = await start_over(rt.redis, lease)
@@ -136,11 +151,24 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
             "response %s: attempt %d starts over (no client saw the output so far)", stored.id, lease.attempt
         )
         writer.next_sequence, last_type = started.kept, started.last_type
-    final = await _produce(rt, writer, stored, response, announced=last_type == "response.in_progress")
+    final = await _produce(
+        rt, writer, stored, response, announced=last_type == "response.in_progress", resumed=resumed
+    )
     if final is None:
         await _end_as_stored(rt, writer)
         return
     await _finish(rt, writer, stored, final)
+
+
+async def _resumable(rt: Runtime, writer: ResponseWriter, response: dict[str, Any]) -> output.Output | None:
+    """A tool loop's output as told, to continue from (DESIGN.md §10, "Durable"), when it holds a
+    finished tool step: what the dead attempt left open is closed `incomplete` on the stream first."""
+    told = await read_events(rt.redis, response["id"])
+    out = replay.rebuild(event.payload() for event in told)
+    if not tool_loop.has_completed_step(out):
+        return None
+    await _emit(writer, output.close_open(out, "incomplete"))
+    return out
 
 
 async def _end_what_was_told(rt: Runtime, writer: ResponseWriter, response: dict[str, Any]) -> dict[str, Any]:
@@ -159,13 +187,14 @@ async def _produce(
     response: dict[str, Any],
     *,
     announced: bool,
+    resumed: output.Output | None = None,
 ) -> dict[str, Any] | None:
     """The final Response of this attempt, or None when it was cancelled."""
     rt.generating.add(stored.id)
     try:
         if not announced:  # appended while the upstream call starts
             writer.send([{"type": "response.in_progress", "response": response}])
-        outcome = await _generate(rt, writer, stored)
+        outcome = await _generate(rt, writer, stored, resumed)
     except CancelRequestedError:
         rt.metrics.cancels.inc()
         return None
@@ -175,6 +204,10 @@ async def _produce(
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         rt.metrics.cancels.inc()
         return None
+    except ToolError as exc:
+        await writer.settle()
+        log.info("response %s failed: %s", stored.id, exc.message)
+        return failed(response, exc.message, int(time.time()), output=exc.output)
     except UpstreamError as exc:
         await writer.settle()  # what was sent lands before the failure is told
         # An upstream (or a proxy before it) may quote the key it was sent, in any failure it reports.
@@ -197,7 +230,9 @@ async def _produce(
     )
 
 
-async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse) -> chat_stream.Outcome:
+async def _generate(
+    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, resumed: output.Output | None = None
+) -> chat_stream.Outcome:
     route = rt.routes.resolve(stored.request["model"])
     model = route.upstream_model or route.model
     if route.api is UpstreamApi.RESPONSES:
@@ -207,8 +242,37 @@ async def _generate(rt: Runtime, writer: ResponseWriter, stored: store.StoredRes
         translate = partial(native.translate_event, native_state)
         finish = partial(native.finish_stream, native_state)
         return await _translate(writer, events, translate, finish, native_state.output)
-    chat_state = chat_stream.start_stream(**chat_request.stream_options(stored.request))
-    body = chat_request.to_chat_request(stored.request, stored.conversation, model)
+    if tool_loop.uses_tools(stored.request):
+        loop = tool_loop.ToolLoop(
+            writer=writer,
+            redis=rt.redis,
+            routes=rt.routes,
+            policy=rt.outbound,
+            timeout=rt.tool_timeout_seconds,
+            request=stored.request,
+            conversation=stored.conversation,
+            response_id=stored.id,
+        )
+        return await loop.run(
+            resumed or output.Output(), partial(_chat_turn, rt, writer, stored, route, model)
+        )
+    return await _chat_turn(rt, writer, stored, route, model, output.Output(), (), stored.conversation)
+
+
+async def _chat_turn(
+    rt: Runtime,
+    writer: ResponseWriter,
+    stored: store.StoredResponse,
+    route: Route,
+    model: str,
+    out: output.Output,
+    server_tools: tuple[ServerTool, ...],
+    conversation: list[dict[str, Any]],
+) -> chat_stream.Outcome:
+    """One chat model turn: its events told into `out` (the response's output so far)."""
+    options = chat_request.stream_options(stored.request, server_tools)
+    chat_state = chat_stream.start_stream(**options, output=out)
+    body = chat_request.to_chat_request(stored.request, conversation, model, server_tools)
     chunks = _chat_chunks(rt, route, body)
     translate = partial(chat_stream.translate_chunk, chat_state)
     finish = partial(chat_stream.finish_stream, chat_state)

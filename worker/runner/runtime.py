@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker.connections import connect
 from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
+from worker.outbound import OutboundPolicy
 from worker.postgres import store
 from worker.routing import Routes, load_routes
 from worker.runner.metrics import WorkerMetrics
@@ -47,6 +48,8 @@ class Runtime:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     database_wait_seconds: float = 120.0
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    outbound: OutboundPolicy = field(default_factory=OutboundPolicy)  # DESIGN.md §13
+    tool_timeout_seconds: float = 120.0
     log: EventLog = field(init=False)
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -95,6 +98,8 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         stream_ttl_seconds=settings.stream_ttl_seconds,
         synthetic_delay_seconds=settings.synthetic_delay_seconds,
         leases=Leases(redis, settings.lease_seconds),
+        outbound=OutboundPolicy.parse(settings.outbound_allowlist),
+        tool_timeout_seconds=settings.tool_timeout_seconds,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -25,6 +26,7 @@ from worker import logs
 from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
     InvalidRequestError,
+    OutboundRefusedError,
     OverloadedError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
@@ -38,6 +40,7 @@ from worker.events.stream import (
 from worker.ids import new_id
 from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
+from worker.outbound import OutboundPolicy
 from worker.postgres import store
 from worker.protocol import tools
 from worker.protocol.items import check_tool_outputs, normalize_input
@@ -55,7 +58,7 @@ from worker.translation import chat_request
 log = logging.getLogger("respool.service")
 
 # The server-side tool types the worker runs (DESIGN.md §10); the rest of them are unavailable.
-RUNNABLE_TOOLS: frozenset[str] = frozenset()
+RUNNABLE_TOOLS: frozenset[str] = frozenset({"mcp"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class ResponseService:
 
     def __init__(self, settings: Settings, engine: AsyncEngine, redis: Redis, sync_redis: SyncRedis) -> None:
         self.settings = settings
+        self.outbound = OutboundPolicy.parse(settings.outbound_allowlist)
         self.engine = engine
         self.autocommit = store.single_statements(engine)  # for one-statement work
         self.redis = redis
@@ -157,6 +161,7 @@ class ResponseService:
         """
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
+        request, secrets = self._tool_secrets(request)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         self._leave_out_unavailable(route, request, response)
         _check_translatable(route, request, own_items)
@@ -177,16 +182,31 @@ class ResponseService:
                 await store.insert_response(conn, row, own_items)
         finally:
             _discard(redis_answers)
-        await self._enqueue(request, response)
+        await self._enqueue(request, response, secrets)
         return response
+
+    def _tool_secrets(self, request: CreateRequest) -> tuple[CreateRequest, bytes | None]:
+        """The request with its `mcp` tools checked (a 400 names what is wrong; a URL that names a
+        blocked address is refused here, before any I/O) and their secrets taken out; the secrets."""
+        if not request.tools:
+            return request, None
+        tools.check_types(request.tools)
+        tools.check_mcp(request.tools, frozenset(self.routes.mcp_servers))
+        for index, tool in tools.mcp_tools(request.tools):
+            if tool.get("server_url") is not None:
+                try:
+                    self.outbound.check_url(str(tool["server_url"]))
+                except OutboundRefusedError as exc:
+                    raise InvalidRequestError(exc.message, param=f"tools[{index}].server_url") from exc
+        clean, secrets = tools.split_secrets(request.tools)
+        if not secrets:
+            return request, None
+        return request.model_copy(update={"tools": clean}), orjson.dumps(secrets)
 
     def _leave_out_unavailable(self, route: Route, request: CreateRequest, response: dict[str, Any]) -> None:
         """The server-side tools this deployment cannot run (a chat route's; a Responses upstream runs
         its own): refused, or left out and named on the Response (`RESPOOL_UNAVAILABLE_TOOLS`)."""
-        if not request.tools:
-            return
-        tools.check_types(request.tools)
-        if route.is_native:
+        if not request.tools or route.is_native:
             return
         if self.settings.unavailable_tools == "reject":
             tools.refuse_unavailable(request.tools, RUNNABLE_TOOLS)
@@ -214,13 +234,14 @@ class ResponseService:
                 f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
             )
 
-    async def _enqueue(self, request: CreateRequest, response: dict[str, Any]) -> None:
+    async def _enqueue(self, request: CreateRequest, response: dict[str, Any], secrets: bytes | None) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
-            await enqueue(self.redis, self.queue, response["id"], first, self.settings.max_attempts)
+            kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
+            await enqueue(self.redis, self.queue, response["id"], first, self.settings.max_attempts, kept)
         except RedisError as exc:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.

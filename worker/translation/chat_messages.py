@@ -24,6 +24,10 @@ _ITEM_TYPES = frozenset(
         "reasoning",
         "custom_tool_call",
         "custom_tool_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
     }
 )
 
@@ -35,9 +39,10 @@ class _AssistantTurn:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    results: list[Message] = field(default_factory=list)  # the tool messages of calls respool ran
 
     def to_messages(self) -> list[Message]:
-        """The assistant message, or none when the turn is empty."""
+        """The assistant message and the results of the calls respool ran, or none when the turn is empty."""
         if not (self.text or self.reasoning or self.tool_calls):
             return []
         # Some chat templates fail on a null `content`, so an empty string stands in for none.
@@ -50,7 +55,7 @@ class _AssistantTurn:
             # still accepts the old name as input) and Ollama read `reasoning`.
             message["reasoning_content"] = reasoning
             message["reasoning"] = reasoning
-        return [message]
+        return [message, *self.results]
 
 
 def to_chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[Message]:
@@ -189,7 +194,39 @@ def _add_custom_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> 
     )
 
 
+def _add_mcp_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    """A call respool ran: the model's tool call, and its result as the tool message after it.
+    One that never got a result (a call cut short) is left out: the model never saw it finish."""
+    if item.get("output") is None and item.get("error") is None:
+        return
+    call_id = _required(item, "id", index)
+    name = f"mcp__{item.get('server_label')}__{_required(item, 'name', index)}"
+    function = {"name": name, "arguments": item.get("arguments") or "{}"}
+    turn.tool_calls.append({"id": call_id, "type": "function", "function": function})
+    turn.results.append({"role": "tool", "tool_call_id": call_id, "content": tool_result_text(item)})
+
+
+def tool_result_text(item: dict[str, Any]) -> str:
+    """What the model is told an MCP call returned: its output, or its error."""
+    if item.get("error") is None:
+        return str(item.get("output") or "")
+    error = item["error"]
+    message = error.get("message") if isinstance(error, dict) else None
+    if message is None and isinstance(error, dict):
+        message = orjson.dumps(error.get("content")).decode()
+    return f"Error: {message if message is not None else error}"
+
+
+def _add_nothing(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    """Items that tell the model nothing: a server's tool list (offered as tools instead), an
+    approval request and its answer (the approved call follows as an `mcp_call`)."""
+
+
 _ASSISTANT_ITEMS: dict[str, Callable[[_AssistantTurn, dict[str, Any], int], None]] = {
+    "mcp_call": _add_mcp_call,
+    "mcp_list_tools": _add_nothing,
+    "mcp_approval_request": _add_nothing,
+    "mcp_approval_response": _add_nothing,
     "assistant_message": _add_assistant_message,
     "function_call": _add_function_call,
     "custom_tool_call": _add_custom_call,

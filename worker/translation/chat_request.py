@@ -12,7 +12,7 @@ from typing import Any
 
 from worker.errors import MissingParameterError, UnsupportedParameterError
 from worker.translation.chat_messages import check_items, present, to_chat_messages
-from worker.translation.chat_tools import call_shapes, tool_params
+from worker.translation.chat_tools import ServerTool, call_shapes, tool_params
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -37,7 +37,12 @@ _REFUSED = {
 }
 
 
-def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], model: str) -> dict[str, Any]:
+def to_chat_request(
+    request: dict[str, Any],
+    input_items: list[dict[str, Any]],
+    model: str,
+    server_tools: tuple[ServerTool, ...] = (),
+) -> dict[str, Any]:
     """The body for the upstream's `POST /v1/chat/completions`, always streamed with usage.
 
     `request` is the Responses create body as the client sent it, `input_items` the whole
@@ -71,7 +76,7 @@ def to_chat_request(request: dict[str, Any], input_items: list[dict[str, Any]], 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    body.update(tool_params(request))
+    body.update(tool_params(request, server_tools))
     body.update({target: request[source] for source, target in _RENAMED if request.get(source) is not None})
     body.update(_reasoning_params(request.get("reasoning")))
     body.update(_text_params(request.get("text")))
@@ -98,13 +103,13 @@ def includes_logprobs(request: dict[str, Any]) -> bool:
     return LOGPROBS_INCLUDE in (request.get("include") or [])
 
 
-def stream_options(request: dict[str, Any]) -> dict[str, Any]:
+def stream_options(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = ()) -> dict[str, Any]:
     """What reading the upstream's stream needs to know of the request (`chat_stream.start_stream`)."""
     return {
         "include_logprobs": includes_logprobs(request),
         "top_logprobs": int(request.get("top_logprobs") or 0),
         "max_output_tokens": request.get("max_output_tokens"),
-        "call_shapes": call_shapes(request),
+        "call_shapes": call_shapes(request, server_tools),
     }
 
 

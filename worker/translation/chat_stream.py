@@ -76,15 +76,18 @@ def start_stream(
     top_logprobs: int = 0,
     max_output_tokens: int | None = None,
     call_shapes: dict[str, CallShape] | None = None,
+    output: Output | None = None,
 ) -> ChatStream:
     """A fresh stream; `include_logprobs` puts the upstream's token logprobs on text events, with at
     most `top_logprobs` candidates each; `max_output_tokens` is the request's; `call_shapes` says
-    which item a call of each offered chat tool is (`chat_tools.call_shapes`)."""
+    which item a call of each offered chat tool is (`chat_tools.call_shapes`); `output` is the
+    response's output so far, when this stream is one turn of a tool loop (DESIGN.md §10)."""
     return ChatStream(
         include_logprobs=include_logprobs,
         top_logprobs=top_logprobs,
         max_output_tokens=max_output_tokens,
         call_shapes=call_shapes or {},
+        output=output if output is not None else Output(),
     )
 
 
@@ -142,9 +145,7 @@ def _cut_call_reason(state: ChatStream) -> str | None:
 
 def _has_malformed_arguments(item: output.Item) -> bool:
     arguments = "".join(item.arguments)
-    if (
-        item.type not in ("function_call", output.CUSTOM_CALL) or not arguments.strip()
-    ):  # no arguments at all: nothing cut
+    if item.type not in output.CALLS or not arguments.strip():  # no arguments at all: nothing cut
         return False
     try:
         orjson.loads(arguments)
@@ -186,7 +187,7 @@ def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[EventBod
         if not (call_id or name):
             return _orphan_arguments(index, arguments)
         shape = state.call_shapes.get(name or "")
-        fields = {"namespace": shape.namespace} if shape is not None and shape.namespace else None
+        fields = None if shape is None else {"namespace": shape.namespace, "server_label": shape.server_label}
         item_type = shape.item_type if shape is not None else "function_call"
         called = shape.name if shape is not None else name
         events = output.open_call(state.output, index, call_id, called, fields, item_type=item_type)

@@ -9,10 +9,14 @@ Rules:
 - `namespace` => each of its functions and custom tools, named `<namespace>__<name>`; a call comes
   back as the item of that tool, its `name` the tool's own and its `namespace` set (Codex CLI's
   `multi_agent_v1` group, for one)
-- any other type (run by the server: `web_search`, `mcp`, ...) => not offered here: the service
-  left it out, or refused it, at create (`worker.protocol.tools`)
+- a tool respool runs (an MCP server's tool, DESIGN.md §10) => a function (`ServerTool`, given by
+  the tool loop: named `mcp__<server_label>__<name>`); its calls come back as that tool's item
+  (`mcp_call`, or `mcp_approval_request` when the call waits for the client's approval)
+- any other type (`web_search`, `mcp`, ... as the request names them) => not offered as such: the
+  tool loop offers what it runs, and the service left out, or refused, what it cannot, at create
 - `tool_choice` `none`/`auto`/`required` => as is; `{type: function | custom, name}` =>
-  `{type: function, function{name}}`; `{type: allowed_tools, mode, tools}` => `tools` restricted
+  `{type: function, function{name}}`; `{type: mcp, server_label, name}` => that tool's function
+  (without `name`: `required`), or nothing once the loop offers no server tools; `{type: allowed_tools, mode, tools}` => `tools` restricted
   to those named and `tool_choice: mode`; any other type => 400, param `tool_choice`
 - two tools with one chat name => 400, param `tools[i]`
 - `parallel_tool_calls` => as is, only with tools
@@ -35,23 +39,44 @@ CUSTOM_PARAMETERS = {
 
 @dataclass(frozen=True)
 class CallShape:
-    """The Responses item a chat tool call of one name is: its type, and the tool's own name and namespace."""
+    """The Responses item a chat tool call of one name is: its type, and the tool's own name and
+    namespace (or, for a tool respool runs, its server's label)."""
 
-    item_type: str  # `function_call` or `custom_tool_call`
+    item_type: str  # `function_call`, `custom_tool_call`, `mcp_call` or `mcp_approval_request`
     name: str
     namespace: str | None = None
+    server_label: str | None = None
 
 
-def call_shapes(request: dict[str, Any]) -> dict[str, CallShape]:
+@dataclass(frozen=True)
+class ServerTool:
+    """A tool respool runs, offered to the model as a function (DESIGN.md §10)."""
+
+    name: str
+    server_label: str
+    description: str | None
+    parameters: dict[str, Any]
+    needs_approval: bool = False
+
+    @property
+    def chat_name(self) -> str:
+        return f"mcp__{self.server_label}__{self.name}"
+
+    def shape(self) -> CallShape:
+        kind = "mcp_approval_request" if self.needs_approval else "mcp_call"
+        return CallShape(kind, self.name, server_label=self.server_label)
+
+
+def call_shapes(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = ()) -> dict[str, CallShape]:
     """Each offered chat tool's name => the item its calls are."""
-    return {name: shape for name, (_, shape) in _offered(request).items()}
+    return {name: shape for name, (_, shape) in _offered(request, server_tools).items()}
 
 
-def tool_params(request: dict[str, Any]) -> dict[str, Any]:
+def tool_params(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = ()) -> dict[str, Any]:
     """`tools`, `tool_choice` and `parallel_tool_calls` for the chat request (rules above)."""
-    offered = _offered(request)
+    offered = _offered(request, server_tools)
     tools = [tool for tool, _ in offered.values()]
-    choice = request.get("tool_choice")
+    choice = _server_tool_choice(request.get("tool_choice"), server_tools)
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         tools, choice = _allowed_tools(tools, choice)
     chat_choice = _chat_tool_choice(choice, {tool["function"]["name"] for tool in tools})
@@ -68,8 +93,24 @@ def tool_params(request: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _offered(request: dict[str, Any]) -> dict[str, tuple[dict[str, Any], CallShape]]:
-    """Chat name => (the chat tool, the item its calls are), for every client-side tool."""
+def _server_tool_choice(
+    choice: str | dict[str, Any] | None, server_tools: tuple[ServerTool, ...]
+) -> str | dict[str, Any] | None:
+    """A choice of a tool respool runs, as a choice of its function (rules above)."""
+    if not isinstance(choice, dict) or choice.get("type") != "mcp":
+        return choice
+    label, name = choice.get("server_label"), choice.get("name")
+    named = [tool for tool in server_tools if tool.server_label == label and name in (None, tool.name)]
+    if not named:
+        return None
+    return {"type": "function", "name": named[0].chat_name} if name else "required"
+
+
+def _offered(
+    request: dict[str, Any], server_tools: tuple[ServerTool, ...] = ()
+) -> dict[str, tuple[dict[str, Any], CallShape]]:
+    """Chat name => (the chat tool, the item its calls are), for every client-side tool and every
+    tool respool runs."""
     offered: dict[str, tuple[dict[str, Any], CallShape]] = {}
     for index, tool in enumerate(request.get("tools") or []):
         param = f"tools[{index}]"
@@ -81,6 +122,11 @@ def _offered(request: dict[str, Any]) -> dict[str, tuple[dict[str, Any], CallSha
                 _offer(offered, member, f"{param}.tools[{position}]", str(namespace))
         elif tool.get("type") in ("function", "custom"):
             _offer(offered, tool, param, None)
+    for server_tool in server_tools:
+        function = {"name": server_tool.chat_name, "parameters": server_tool.parameters}
+        if server_tool.description:
+            function["description"] = server_tool.description
+        offered[server_tool.chat_name] = ({"type": "function", "function": function}, server_tool.shape())
     return offered
 
 

@@ -34,6 +34,10 @@ from worker.ids import new_id, new_item_id
 EventBody = dict[str, Any]
 
 CUSTOM_CALL = "custom_tool_call"
+MCP_CALL = "mcp_call"
+MCP_APPROVAL = "mcp_approval_request"
+# The item types whose arguments are a call's: told as deltas (the first two), or at once.
+CALLS = frozenset({"function_call", CUSTOM_CALL, MCP_CALL, MCP_APPROVAL})
 
 # PROTOCOL.md §4: per part type, the event type prefix of its deltas and the field its `.done`
 # event (and the part itself) carries the full text in.
@@ -67,6 +71,7 @@ class Item:
     arguments: list[str] = field(default_factory=list)  # function calls
     body: dict[str, Any] | None = None  # any other item type: its whole body, as last given
     status: str = "in_progress"
+    arguments_done: bool = False  # an MCP call's: its `response.mcp_call_arguments.done` was told
 
     @property
     def type(self) -> str:
@@ -84,6 +89,7 @@ class Output:
     items: list[Item] = field(default_factory=list)
     current: Item | None = None
     side: dict[Hashable, Item] = field(default_factory=dict)
+    pending: list[Item] = field(default_factory=list)  # calls the model made that respool runs
 
 
 # --- what the model says ------------------------------------------------------------------------
@@ -169,19 +175,22 @@ def open_call(
     call under the same key is done first."""
     events = close_current(out)
     if key in out.side:
-        events += close_item(out.side.pop(key), "completed")
+        events += _end(out, out.side.pop(key), "completed")
     item = _new_item(
         out,
         {
             **kept_fields(fields),
             "id": new_item_id(item_type),
             "type": item_type,
-            "call_id": call_id or new_id("call"),
+            **({} if item_type in (MCP_CALL, MCP_APPROVAL) else {"call_id": call_id or new_id("call")}),
             "name": name or "",
         },
     )
     out.side[key] = item
-    return [*events, item_event("added", item)]
+    events.append(item_event("added", item))
+    if item_type == MCP_CALL:
+        events.append({"type": "response.mcp_call.in_progress", **address(item)})
+    return events
 
 
 def call(out: Output, key: Hashable) -> Item | None:
@@ -195,9 +204,10 @@ def append_arguments(item: Item, arguments: str | None) -> list[EventBody]:
     if not arguments:
         return []
     item.arguments.append(arguments)
-    if item.type == CUSTOM_CALL:
+    if item.type in (CUSTOM_CALL, MCP_APPROVAL):
         return []
-    return [{"type": "response.function_call_arguments.delta", **address(item), "delta": arguments}]
+    kind = "mcp_call_arguments" if item.type == MCP_CALL else "function_call_arguments"
+    return [{"type": f"response.{kind}.delta", **address(item), "delta": arguments}]
 
 
 def custom_input(arguments: str) -> str:
@@ -255,7 +265,56 @@ def close_open(out: Output, status: str) -> list[EventBody]:
         [*out.side.values(), *([out.current] if out.current else [])], key=lambda i: i.output_index
     )
     out.current, out.side = None, {}
-    return [event for item in items for event in close_item(item, status)]
+    return [event for item in items for event in _end(out, item, status)]
+
+
+def _end(out: Output, item: Item, status: str) -> list[EventBody]:
+    """An item's end: an MCP call the model completed waits to be run (`settle_call`); the rest close."""
+    if item.type == MCP_CALL and status == "completed":
+        return settle_call(out, item)
+    return close_item(item, status)
+
+
+def settle_call(out: Output, item: Item) -> list[EventBody]:
+    """An MCP call whose arguments are complete: told so, and kept open in `out.pending` to be run."""
+    out.pending.append(item)
+    return _arguments_done(item)
+
+
+def _arguments_done(item: Item) -> list[EventBody]:
+    if item.arguments_done:
+        return []
+    item.arguments_done = True
+    arguments = "".join(item.arguments)
+    return [{"type": "response.mcp_call_arguments.done", **address(item), "arguments": arguments}]
+
+
+def end_call(
+    out: Output, item: Item, *, output: str | None = None, error: dict[str, Any] | None = None
+) -> list[EventBody]:
+    """A pending MCP call, run: its result (`output`, or `error`) told, and the item done."""
+    if item in out.pending:
+        out.pending.remove(item)
+    item.fields["output"] = output
+    item.fields["error"] = error
+    kind = "failed" if error is not None else "completed"
+    item.status = kind
+    return [{"type": f"response.mcp_call.{kind}", **address(item)}, item_event("done", item)]
+
+
+def open_item(out: Output, body: dict[str, Any]) -> tuple[Item, list[EventBody]]:
+    """A new item of a body this module does not model (an `mcp_list_tools`), added."""
+    events = close_current(out)
+    item = _new_item(out, {"id": new_item_id(str(body["type"])), "type": body["type"]})
+    item.body = {key: value for key, value in body.items() if key not in ("id", "type")}
+    return item, [*events, item_event("added", item)]
+
+
+def done_item(item: Item, body: dict[str, Any], status: str = "completed") -> list[EventBody]:
+    """An item opened by `open_item`, done with `body`'s fields."""
+    item.body = {**(item.body or {}), **body}
+    item.status = status
+    return [item_event("done", item)]
 
 
 def close_item(item: Item, status: str) -> list[EventBody]:
@@ -268,6 +327,8 @@ def close_item(item: Item, status: str) -> list[EventBody]:
         events.append(
             {"type": "response.function_call_arguments.done", **address(item), "arguments": arguments}
         )
+    elif item.type == MCP_CALL:
+        events += _arguments_done(item)
     elif item.type == CUSTOM_CALL and item.body is None:
         text = custom_input("".join(item.arguments))
         if text:
@@ -383,7 +444,7 @@ def item_body(item: Item) -> dict[str, Any]:
     if item.body is not None:  # the upstream's status words differ per hosted tool: its own win
         return {"status": item.status, **item.body, "id": item.id, "type": item.type}
     body = {**item.fields}
-    if item.type == "function_call":
+    if item.type in ("function_call", MCP_CALL, MCP_APPROVAL):
         body["arguments"] = "".join(item.arguments)
     elif item.type == CUSTOM_CALL:
         body["input"] = custom_input("".join(item.arguments))

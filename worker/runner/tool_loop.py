@@ -1,0 +1,243 @@
+"""The server-side tool loop (DESIGN.md §10): model turn => the model's calls of tools respool runs
+=> run them here => another model turn with their results => ... until the model answers without
+such a call, calls a client-side tool (the response ends and hands it back), asks for an approval,
+reaches `max_tool_calls`, or is cancelled.
+
+The event stream is the loop's journal. Every step is told as it happens (`mcp_list_tools`,
+`mcp_call`, with OpenAI's events), so a takeover rebuilds the output from it (`replay.rebuild`) and
+continues: a completed call is a result, never run again; what the dead attempt left open is
+closed `incomplete` and its turn runs again (`has_completed_step` says when a takeover may resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from worker.errors import ToolError
+from worker.events.writer import ResponseWriter
+from worker.keys import secrets_key
+from worker.outbound import OutboundPolicy
+from worker.protocol import tools
+from worker.routing import Routes
+from worker.runner import mcp
+from worker.translation import output
+from worker.translation.chat_stream import Outcome
+from worker.translation.chat_tools import ServerTool
+from worker.translation.output import Output
+
+log = logging.getLogger("respool.tools")
+
+# One model turn: given the output so far, the tools respool offers now and the conversation, it
+# streams the turn's events into the output and says how the turn ended.
+Turn = Callable[[Output, tuple[ServerTool, ...], list[dict[str, Any]]], Awaitable[Outcome]]
+STEP_TYPES = frozenset({"mcp_call", "mcp_list_tools"})
+_HANDED_BACK = frozenset({"mcp_approval_request", "function_call", "custom_tool_call"})
+_CANCELLED = {
+    "type": "mcp_protocol_error",
+    "code": -32800,
+    "message": "Cancelled: the response was cancelled.",
+}
+
+
+def uses_tools(request: dict[str, Any]) -> bool:
+    """Whether a response runs the loop: its request has tools respool runs."""
+    return bool(tools.mcp_tools(request.get("tools") or []))
+
+
+def has_completed_step(out: Output) -> bool:
+    """Whether a rebuilt output holds a finished tool step to resume from."""
+    return any(item.type in STEP_TYPES and item.status != "in_progress" for item in out.items)
+
+
+class ToolLoop:
+    """One attempt's run of the loop for one response."""
+
+    def __init__(
+        self,
+        *,
+        writer: ResponseWriter,
+        redis: Redis,
+        routes: Routes,
+        policy: OutboundPolicy,
+        timeout: float,
+        request: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        response_id: str,
+    ) -> None:
+        self.writer = writer
+        self.redis = redis
+        self.routes = routes
+        self.policy = policy
+        self.timeout = timeout
+        self.request = request
+        self.conversation = conversation
+        self.response_id = response_id
+        self.servers: dict[str, tuple[dict[str, Any], mcp.Server]] = {}
+
+    async def run(self, out: Output, turn: Turn) -> Outcome:
+        await self._connect()
+        offered = await self._list(out)
+        await self._run_approved(out)
+        limit = self.request.get("max_tool_calls")
+        usage: dict[str, Any] | None = None
+        while True:
+            made = sum(1 for item in out.items if item.type == "mcp_call" and item.status != "in_progress")
+            now = offered if limit is None or made < limit else ()
+            start = len(out.items)
+            outcome = await turn(out, now, self._history(out))
+            # A turn that asked for an approval, or called a tool the client runs, ends the response
+            # once the calls respool runs are done.
+            hands_back = any(item.type in _HANDED_BACK for item in out.items[start:])
+            usage = _add_usage(usage, outcome.usage)
+            if outcome.status != "completed" or not out.pending:
+                return Outcome(outcome.status, outcome.incomplete_details, output.output_items(out), usage)
+            for item in list(out.pending):
+                if limit is not None and made >= limit:
+                    message = f"Not run: this response reached its max_tool_calls ({limit})."
+                    error = {"type": "mcp_protocol_error", "code": -32000, "message": message}
+                    self.writer.send(output.end_call(out, item, error=error))
+                else:
+                    await self._call(out, item)
+                made += 1
+            await self.writer.drain()
+            if hands_back:
+                return Outcome("completed", None, output.output_items(out), usage)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        stored = await self.redis.get(secrets_key(self.response_id))
+        secrets: dict[str, dict[str, str]] = orjson.loads(stored) if stored else {}
+        for _, tool in tools.mcp_tools(self.request.get("tools") or []):
+            label = str(tool["server_label"])
+            registered = self.routes.mcp_servers.get(label)
+            url = tool.get("server_url") or (registered.url if registered else "")
+            headers = {**(registered.headers() if registered else {}), **secrets.get(label, {})}
+            self.servers[label] = (tool, mcp.Server(label, str(url), headers))
+
+    async def _list(self, out: Output) -> tuple[ServerTool, ...]:
+        """Each server's tools: from an earlier listing along the chain or in this output, else
+        listed now as an `mcp_list_tools` item. A server that cannot be listed fails the response."""
+        listed: dict[str, list[dict[str, Any]]] = {}
+        for seen in [*self.conversation, *output.output_items(out)]:
+            if seen.get("type") == "mcp_list_tools" and not seen.get("error"):
+                listed[str(seen.get("server_label"))] = list(seen.get("tools") or [])
+        for label, (_, server) in self.servers.items():
+            if label in listed:
+                continue
+            item, events = output.open_item(
+                out, {"type": "mcp_list_tools", "server_label": label, "tools": []}
+            )
+            where = output.address(item)
+            self.writer.send([*events, {"type": "response.mcp_list_tools.in_progress", **where}])
+            try:
+                spec = self.servers[label][0]
+                found = await mcp.list_tools(server, self.policy, self.timeout)
+                # As OpenAI lists them: only the tools `allowed_tools` lets the model see.
+                listed[label] = [t for t in found if tools.mcp_allows(spec, str(t["name"]), _read_only(t))]
+            except ToolError as exc:
+                failed = [{"type": "response.mcp_list_tools.failed", **where}]
+                self.writer.send(failed + output.done_item(item, {"error": exc.message}, "failed"))
+                await self.writer.drain()
+                raise ToolError(exc.message, output.output_items(out)) from exc
+            completed = [{"type": "response.mcp_list_tools.completed", **where}]
+            self.writer.send(completed + output.done_item(item, {"tools": listed[label]}))
+        await self.writer.drain()
+        return tuple(
+            ServerTool(
+                name=str(entry["name"]),
+                server_label=label,
+                description=entry.get("description"),
+                parameters=entry.get("input_schema") or {"type": "object", "properties": {}},
+                needs_approval=tools.mcp_needs_approval(spec, str(entry["name"]), _read_only(entry)),
+            )
+            for label, (spec, _) in self.servers.items()
+            for entry in listed[label]
+            if tools.mcp_allows(spec, str(entry["name"]), _read_only(entry))
+        )
+
+    async def _run_approved(self, out: Output) -> None:
+        """The calls the client approved (`mcp_approval_response` items continuing the chain), run
+        before the model's next turn; each once, whatever attempt runs it."""
+        requests = {
+            item["id"]: item for item in self.conversation if item.get("type") == "mcp_approval_request"
+        }
+        done = {
+            item.get("approval_request_id")
+            for item in [*self.conversation, *output.output_items(out)]
+            if item.get("type") == "mcp_call"
+        }
+        for answer in self.conversation:
+            if answer.get("type") != "mcp_approval_response" or not answer.get("approve"):
+                continue
+            asked = requests.get(answer.get("approval_request_id"))
+            if asked is None or asked["id"] in done or asked.get("server_label") not in self.servers:
+                continue
+            fields = {"server_label": asked["server_label"], "approval_request_id": asked["id"]}
+            events = output.open_call(out, asked["id"], None, asked["name"], fields, item_type="mcp_call")
+            item = output.call(out, asked["id"])
+            assert item is not None
+            events += output.append_arguments(item, asked.get("arguments") or "{}")
+            out.side.pop(asked["id"], None)
+            events += output.settle_call(out, item)
+            self.writer.send(events)
+            await self._call(out, item)
+            done.add(asked["id"])
+        await self.writer.drain()
+
+    async def _call(self, out: Output, item: output.Item) -> None:
+        label = str(item.fields.get("server_label"))
+        _, server = self.servers[label]
+        arguments = "".join(item.arguments) or "{}"
+        try:
+            parsed = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            message = f"The arguments are not a JSON object: {arguments[:200]!r}."
+            error = {"type": "mcp_protocol_error", "code": -32602, "message": message}
+            self.writer.send(output.end_call(out, item, error=error))
+            return
+        try:
+            result = await mcp.call_tool(server, self.policy, str(item.fields["name"]), parsed, self.timeout)
+        except asyncio.CancelledError:
+            # A cancel reached the loop while the tool ran: the call is closed before the response ends.
+            self.writer.send(output.end_call(out, item, error=_CANCELLED))
+            await self.writer.settle()
+            raise
+        self.writer.send(output.end_call(out, item, output=result.output, error=result.error))
+
+    def _history(self, out: Output) -> list[dict[str, Any]]:
+        """The conversation the next turn sees: the input, and this response's finished items."""
+        finished = [
+            item
+            for item in output.output_items(out)
+            if item.get("status") in ("completed", "failed") and item.get("type") != "mcp_approval_request"
+        ]
+        return [*self.conversation, *finished]
+
+
+def _read_only(entry: dict[str, Any]) -> bool:
+    annotations = entry.get("annotations") or {}
+    return bool(annotations.get("readOnlyHint") or annotations.get("read_only_hint"))
+
+
+def _add_usage(total: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage over the loop's turns: every count summed."""
+    if more is None:
+        return total
+    if total is None:
+        return dict(more)
+    summed: dict[str, Any] = {}
+    for key, value in more.items():
+        if isinstance(value, dict):
+            summed[key] = {k: int(total.get(key, {}).get(k, 0)) + int(v) for k, v in value.items()}
+        else:
+            summed[key] = int(total.get(key) or 0) + int(value or 0)
+    return summed
