@@ -295,8 +295,9 @@ def end_call(
     """A pending MCP call, run: its result (`output`, or `error`) told, and the item done."""
     if item in out.pending:
         out.pending.remove(item)
-    item.fields["output"] = output
-    item.fields["error"] = error
+    item.fields.update(
+        {key: value for key, value in (("output", output), ("error", error)) if value is not None}
+    )
     kind = "failed" if error is not None else "completed"
     item.status = kind
     return [{"type": f"response.mcp_call.{kind}", **address(item)}, item_event("done", item)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.translation.output import CUSTOM_CALL, EventBody, Item, Output, Part, kept_fields
+from worker.translation.output import CUSTOM_CALL, MCP_CALL, EventBody, Item, Output, Part, kept_fields
 
 
 def rebuild(events: Iterable[EventBody]) -> Output:
@@ -27,7 +27,7 @@ def _replay_item_added(out: Output, event: EventBody) -> None:
     if item.type in ("message", "reasoning"):  # told part by part; the rest are side items
         out.current = item
     else:
-        if item.type not in ("function_call", CUSTOM_CALL):
+        if item.type not in ("function_call", CUSTOM_CALL, MCP_CALL):
             item.body = given
         out.side[item.id] = item
 
@@ -72,8 +72,10 @@ def _replay_delta(out: Output, event: EventBody) -> None:
     kind = str(event.get("type"))
     if item is None:
         return
-    if kind == "response.function_call_arguments.delta":
+    if kind in ("response.function_call_arguments.delta", "response.mcp_call_arguments.delta"):
         item.arguments.append(str(event["delta"]))
+    elif kind == "response.mcp_call_arguments.done":
+        item.arguments_done = True
     elif kind == "response.reasoning_summary_text.delta" and item.summary:
         item.summary[-1].text.append(str(event["delta"]))
     elif kind.endswith(".delta") and item.parts and "content_index" in event:

@@ -55,3 +55,38 @@ def test_a_whole_stream_leaves_nothing_open() -> None:
     out = rebuild(events)
     assert close_open(out, "incomplete") == []
     assert output_items(out) == [e["item"] for e in events if e["type"] == "response.output_item.done"]
+
+
+def test_a_tool_loops_mcp_calls_are_rebuilt_from_their_events() -> None:
+    """A takeover rebuilds an MCP call, run or still open, exactly as its events told it (DESIGN.md §10)."""
+    from worker.translation import output as out_module
+    from worker.translation.replay import rebuild
+
+    out = out_module.Output()
+    events = out_module.open_call(out, 0, None, "lookup", {"server_label": "tools"}, item_type="mcp_call")
+    item = out_module.call(out, 0)
+    assert item is not None
+    events += out_module.append_arguments(item, '{"city":')
+    events += out_module.append_arguments(item, '"Paris"}')
+    events += out_module.close_open(out, "completed")  # the turn ends: the call waits to be run
+    assert out.pending == [item]
+    events += out_module.end_call(out, item, output="Sunny")
+    events += out_module.open_call(out, 1, None, "add", {"server_label": "tools"}, item_type="mcp_call")
+    second = out_module.call(out, 1)
+    assert second is not None
+    events += out_module.append_arguments(second, '{"a": 1')
+    rebuilt = rebuild(events)
+    assert out_module.output_items(rebuilt) == out_module.output_items(out)
+    ran, open_call = out_module.output_items(rebuilt)
+    assert (ran["status"], ran["output"], ran["arguments"]) == ("completed", "Sunny", '{"city":"Paris"}')
+    assert (open_call["status"], open_call["arguments"]) == ("in_progress", '{"a": 1')
+    kinds = [event["type"] for event in events if event.get("output_index") == 0]
+    assert kinds == [
+        "response.output_item.added",
+        "response.mcp_call.in_progress",
+        "response.mcp_call_arguments.delta",
+        "response.mcp_call_arguments.delta",
+        "response.mcp_call_arguments.done",
+        "response.mcp_call.completed",
+        "response.output_item.done",
+    ]
