@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import httpx
 
-from tests.support.upstream_process import REPO_ROOT, START_DEADLINE_SECONDS, read_listening_url
+from tests.support.upstream_process import REPO_ROOT, START_DEADLINE_SECONDS, read_listening_url, stop_child
 
 
 class McpServerProcess:
@@ -30,11 +30,4 @@ class McpServerProcess:
 
     def stop(self) -> None:
         self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        stop_child(self.process)

@@ -38,6 +38,18 @@ def read_listening_url(process: subprocess.Popen[str], timeout: float) -> str:
     return line.split()[1]
 
 
+def stop_child(process: subprocess.Popen[str]) -> None:
+    """Stop a server process of the tests: TERM, then KILL if it lingers; its pipe closed."""
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+
+
 class ScriptedUpstream:
     """Starts the server as a subprocess; .url is "http://127.0.0.1:<port>/v1"."""
 
@@ -55,14 +67,7 @@ class ScriptedUpstream:
 
     def stop(self) -> None:
         self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        stop_child(self.process)
 
     def script(self, model: str, script: Json) -> None:
         self.client.post("/_script", json={"model": model, "script": script}).raise_for_status()

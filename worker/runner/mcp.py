@@ -39,7 +39,7 @@ class CallResult:
 
 async def list_tools(server: Server, policy: OutboundPolicy, seconds: float) -> list[dict[str, Any]]:
     """The server's tools as `mcp_list_tools` lists them; `ToolError` naming the server if it cannot be listed."""
-    async with _session(server, policy, seconds) as client:
+    async with _Session(server, policy, seconds) as client:
         try:
             listed = await asyncio.wait_for(client.list_tools(), seconds)
         except BaseException as exc:
@@ -61,7 +61,7 @@ async def call_tool(
     """Run one tool. Its own failure is a result with an `error` the model is told; a server that
     cannot be reached, or that breaks the protocol, is one too (the loop goes on)."""
     try:
-        async with _session(server, policy, seconds) as client:
+        async with _Session(server, policy, seconds) as client:
             try:
                 result = await asyncio.wait_for(client.call_tool(name, arguments), seconds)
             except BaseException as exc:
@@ -114,9 +114,6 @@ class _Session:
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         return await self.client.call_tool(name, arguments)
-
-
-_session = _Session
 
 
 def _failure(server: Server, exc: BaseException, session: _Session) -> ToolError:

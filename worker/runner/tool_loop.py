@@ -131,9 +131,10 @@ class ToolLoop:
         for label, (_, server) in self.servers.items():
             if label in listed:
                 continue
-            item, events = output.open_item(
-                out, {"type": "mcp_list_tools", "server_label": label, "tools": []}
-            )
+            key = ("mcp_list_tools", label)
+            body = {"type": "mcp_list_tools", "server_label": label, "tools": []}
+            events = output.open_other(out, key, body)
+            item = out.side[key]
             where = output.address(item)
             self.writer.send([*events, {"type": "response.mcp_list_tools.in_progress", **where}])
             try:
@@ -143,11 +144,13 @@ class ToolLoop:
                 listed[label] = [t for t in found if tools.mcp_allows(spec, str(t["name"]), _read_only(t))]
             except ToolError as exc:
                 failed = [{"type": "response.mcp_list_tools.failed", **where}]
-                self.writer.send(failed + output.done_item(item, {"error": exc.message}, "failed"))
+                item.body = {**body, "error": exc.message}
+                self.writer.send(failed + output.close_side(out, key, "failed"))
                 await self.writer.drain()
                 raise ToolError(exc.message, output.output_items(out)) from exc
             completed = [{"type": "response.mcp_list_tools.completed", **where}]
-            self.writer.send(completed + output.done_item(item, {"tools": listed[label]}))
+            item.body = {**body, "tools": listed[label]}
+            self.writer.send(completed + output.close_side(out, key))
         await self.writer.drain()
         return tuple(
             ServerTool(

@@ -224,8 +224,9 @@ def custom_input(arguments: str) -> str:
 def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[EventBody]:
     """Open an item of a type this module does not model (a hosted tool call): its body is the caller's."""
     events = close_current(out)
-    prefix = str(body.get("id") or "").partition("_")[0] or "item"
-    item = _new_item(out, {"id": new_id(prefix), "type": body["type"]})
+    prefix = str(body.get("id") or "").partition("_")[0]
+    item_id = new_id(prefix) if prefix else new_item_id(str(body["type"]))
+    item = _new_item(out, {"id": item_id, "type": body["type"]})
     item.body = dict(body)
     out.side[key] = item
     return [*events, item_event("added", item)]
@@ -301,21 +302,6 @@ def end_call(
     kind = "failed" if error is not None else "completed"
     item.status = kind
     return [{"type": f"response.mcp_call.{kind}", **address(item)}, item_event("done", item)]
-
-
-def open_item(out: Output, body: dict[str, Any]) -> tuple[Item, list[EventBody]]:
-    """A new item of a body this module does not model (an `mcp_list_tools`), added."""
-    events = close_current(out)
-    item = _new_item(out, {"id": new_item_id(str(body["type"])), "type": body["type"]})
-    item.body = {key: value for key, value in body.items() if key not in ("id", "type")}
-    return item, [*events, item_event("added", item)]
-
-
-def done_item(item: Item, body: dict[str, Any], status: str = "completed") -> list[EventBody]:
-    """An item opened by `open_item`, done with `body`'s fields."""
-    item.body = {**(item.body or {}), **body}
-    item.status = status
-    return [item_event("done", item)]
 
 
 def close_item(item: Item, status: str) -> list[EventBody]:
