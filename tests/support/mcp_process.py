@@ -28,6 +28,10 @@ class McpServerProcess:
     def calls(self) -> dict[str, list[dict[str, Any]]]:
         return cast(dict[str, list[dict[str, Any]]], self.client.get("/_calls").json())
 
+    def reset(self) -> None:
+        """Forget the calls received so far."""
+        self.client.post("/_reset").raise_for_status()
+
     def stop(self) -> None:
         self.client.close()
         stop_child(self.process)

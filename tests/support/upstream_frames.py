@@ -92,8 +92,8 @@ SAMPLE_ARGUMENTS = {"string": "Paris", "integer": 2, "number": 0.01, "boolean": 
 def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
     """The tool-loop model: while the conversation holds fewer than `steps` tool results (default
     1), it calls the tool `tool` names (default: the first one offered; `tools` gives one per step),
-    its parameters filled with sample values; then it answers "The tool said: <last result>".
-    `answer_delay` pauses between the answer's words, so a test can catch it mid-turn."""
+    its parameters filled with sample values (`arguments` gives them instead); then it answers "The
+    tool said: <last result>". The script's `delay` paces every turn's frames."""
     messages = body.get("messages") or []
     results = [message for message in messages if message.get("role") == "tool"]
     offered = [tool["function"] for tool in body.get("tools") or []]
@@ -103,7 +103,9 @@ def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
         wanted = names[len(results) % len(names)] if names else offered[0]["name"]
         function = next((f for f in offered if f["name"].endswith(wanted)), offered[0])
         properties = (function.get("parameters") or {}).get("properties") or {}
-        arguments = {key: SAMPLE_ARGUMENTS.get(value.get("type"), "x") for key, value in properties.items()}
+        arguments = spec.get("arguments") or {
+            key: SAMPLE_ARGUMENTS.get(value.get("type"), "x") for key, value in properties.items()
+        }
         call = {"index": 0, "id": f"call_{len(results)}", "type": "function"}
         call["function"] = {"name": function["name"], "arguments": json.dumps(arguments)}
         return [
