@@ -12,6 +12,7 @@ import pytest
 from redis import Redis
 from rq import Queue
 
+from tests.support.mcp_process import McpServerProcess
 from tests.support.stack import Servers, Stack, servers
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import FAILURES, ValidatingTransport
@@ -20,6 +21,8 @@ pytest_plugins = ["pytester"]
 
 KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
 NATIVE_MODEL = "scripted-native"
+MCP_TOKEN = "s3cret-token"  # the guarded MCP server's
+REGISTERED_LABEL = "vault"  # the guarded MCP server, as the main stack's respool.toml registers it
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +71,22 @@ def upstream() -> Iterator[ScriptedUpstream]:
         yield scripted
 
 
+@pytest.fixture(scope="session")
+def mcp_server() -> Iterator[McpServerProcess]:
+    """A real MCP server (tests.support.mcp_server) on loopback."""
+    server = McpServerProcess.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def guarded_server() -> Iterator[McpServerProcess]:
+    """A real MCP server that demands `Authorization: Bearer MCP_TOKEN`."""
+    server = McpServerProcess.start(token=MCP_TOKEN)
+    yield server
+    server.stop()
+
+
 def _env(backing: Servers, **extra: str) -> dict[str, str]:
     import os
 
@@ -83,10 +102,22 @@ def _env(backing: Servers, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def stack(backing: Servers, upstream: ScriptedUpstream, session_dir: Path) -> Iterator[Stack]:
-    """Migrated schema, one API process with two tenants' keys, one worker; unknown models go upstream."""
+def stack(
+    backing: Servers,
+    upstream: ScriptedUpstream,
+    session_dir: Path,
+    mcp_server: McpServerProcess,
+    guarded_server: McpServerProcess,
+) -> Iterator[Stack]:
+    """Migrated schema, one API process with two tenants' keys, one worker; unknown models go
+    upstream; the guarded MCP server registered by label, its token from the environment; the
+    outbound allowlist opens exactly the test's MCP servers."""
     config = session_dir / "respool.toml"
-    config.write_text(f'[models."{NATIVE_MODEL}"]\nbase_url = "{upstream.url}"\napi = "responses"\n')
+    config.write_text(
+        f'[models."{NATIVE_MODEL}"]\nbase_url = "{upstream.url}"\napi = "responses"\n\n'
+        f'[mcp_servers.{REGISTERED_LABEL}]\nurl = "{guarded_server.url}"\n'
+        'headers_env = { Authorization = "RESPOOL_TEST_VAULT_AUTHORIZATION" }\n'
+    )
     logs = session_dir / "logs"
     logs.mkdir()
     env = _env(
@@ -95,7 +126,8 @@ def stack(backing: Servers, upstream: ScriptedUpstream, session_dir: Path) -> It
         RESPOOL_UPSTREAM_URL=upstream.url,
         RESPOOL_UPSTREAM_API="chat",
         RESPOOL_CONFIG=str(config),
-        RESPOOL_OUTBOUND_ALLOWLIST="127.0.0.0/8",  # the test MCP and search servers are on loopback
+        RESPOOL_OUTBOUND_ALLOWLIST=f"{mcp_server.host_port},{guarded_server.host_port}",
+        RESPOOL_TEST_VAULT_AUTHORIZATION=f"Bearer {MCP_TOKEN}",
     )
     running = Stack(env, logs)
     running.run("migrate")

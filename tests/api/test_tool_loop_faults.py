@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(3
 
 
 @pytest.fixture(scope="module")
-def mcp_server() -> Iterator[McpServerProcess]:
-    server = McpServerProcess.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def loop_stack(
     backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack
 ) -> Iterator[Stack]:

@@ -25,8 +25,16 @@ class McpServerProcess:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
         return cls(process, read_listening_url(process, START_DEADLINE_SECONDS))
 
+    @property
+    def host_port(self) -> str:
+        """`127.0.0.1:<port>`, as an allowlist entry names it."""
+        return self.url.split("/")[2]
+
     def calls(self) -> dict[str, list[dict[str, Any]]]:
         return cast(dict[str, list[dict[str, Any]]], self.client.get("/_calls").json())
+
+    def authorizations(self) -> list[str]:
+        return cast(list[str], self.client.get("/_authorizations").json())
 
     def reset(self) -> None:
         """Forget the calls received so far."""

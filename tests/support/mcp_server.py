@@ -8,7 +8,8 @@ Tools:
 
 Control routes, which no MCP server has:
     GET  /_calls        {"<tool>": [arguments, ...]} every call received, in order
-    POST /_reset        forgets them
+    GET  /_authorizations  every distinct `Authorization` header an MCP request carried
+    POST /_reset        forgets both
 
 With `--token T`, every MCP request needs `Authorization: Bearer T` (else 401, as a server that
 demands auth answers). Run: `python -m tests.support.mcp_server --port 0` prints
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 CALLS: dict[str, list[dict[str, Any]]] = defaultdict(list)
+AUTHORIZATIONS: set[str] = set()
 
 
 def build_server() -> MCPServer:
@@ -80,10 +82,16 @@ class Guarded:
         if scope["path"] == "/_calls":
             await JSONResponse(dict(CALLS))(scope, receive, send)
             return
+        if scope["path"] == "/_authorizations":
+            await JSONResponse(sorted(AUTHORIZATIONS))(scope, receive, send)
+            return
         if scope["path"] == "/_reset":
             CALLS.clear()
+            AUTHORIZATIONS.clear()
             await Response(status_code=204)(scope, receive, send)
             return
+        if "authorization" in request.headers:
+            AUTHORIZATIONS.add(request.headers["authorization"])
         if self.token and request.headers.get("authorization") != f"Bearer {self.token}":
             body = {"error": "unauthorized", "error_description": "a bearer token is required"}
             await JSONResponse(body, 401, {"www-authenticate": "Bearer"})(scope, receive, send)

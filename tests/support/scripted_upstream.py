@@ -20,8 +20,8 @@ A script is a JSON object; every key is optional:
                                and {"usage"} shorthands; then `data: [DONE]`
     done=true                  chat only: false ends the stream without `data: [DONE]`
     events: [...]              responses only: raw Responses events sent as given
-    tool_loop: {...}           chat only: a model that calls the tools it is offered, then answers
-                               with their result (`upstream_frames.tool_loop_chunks`)
+    tool_loop: {...}           a model that calls the function tools it is offered, then answers
+                               with their result (`upstream_frames.tool_loop_step`)
     status, error, headers     answer this HTTP error with an OpenAI-shaped error body, e.g.
                                {"status": 429, "headers": {"retry-after": "1"}}
     reset: true                answer nothing: cut the TCP connection with a reset (RST)

@@ -89,14 +89,12 @@ def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bo
 SAMPLE_ARGUMENTS = {"string": "Paris", "integer": 2, "number": 0.01, "boolean": True}
 
 
-def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
-    """The tool-loop model: while the conversation holds fewer than `steps` tool results (default
-    1), it calls the tool `tool` names (default: the first one offered; `tools` gives one per step),
-    its parameters filled with sample values (`arguments` gives them instead); then it answers "The
-    tool said: <last result>". The script's `delay` paces every turn's frames."""
-    messages = body.get("messages") or []
-    results = [message for message in messages if message.get("role") == "tool"]
-    offered = [tool["function"] for tool in body.get("tools") or []]
+def tool_loop_step(spec: Json, offered: list[Json], results: list[str]) -> tuple[Json | None, str]:
+    """What the tool-loop model does next, given the functions it is offered (`name`, `parameters`)
+    and the tool results so far: `(the function it calls, its arguments as JSON)` while it has seen
+    fewer than `steps` results (default 1), else `(None, its answer)`. It calls the tool `tool` names
+    (default: the first one offered; `tools` gives one per step), its parameters filled with sample
+    values (`arguments` gives them instead); then it answers "The tool said: <last result>"."""
     steps = int(spec.get("steps", 1))
     names = spec.get("tools") or ([spec["tool"]] if spec.get("tool") else [])
     if len(results) < steps and offered:
@@ -106,14 +104,25 @@ def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
         arguments = spec.get("arguments") or {
             key: SAMPLE_ARGUMENTS.get(value.get("type"), "x") for key, value in properties.items()
         }
+        return function, json.dumps(arguments)
+    return None, f"The tool said: {results[-1] if results else 'nothing'}"
+
+
+def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
+    """The tool-loop model (`tool_loop_step`) on Chat Completions. The script's `delay` paces every
+    turn's frames."""
+    messages = body.get("messages") or []
+    results = [str(message.get("content")) for message in messages if message.get("role") == "tool"]
+    offered = [tool["function"] for tool in body.get("tools") or []]
+    function, said = tool_loop_step(spec, offered, results)
+    if function is not None:
         call = {"index": 0, "id": f"call_{len(results)}", "type": "function"}
-        call["function"] = {"name": function["name"], "arguments": json.dumps(arguments)}
+        call["function"] = {"name": function["name"], "arguments": said}
         return [
             chat_chunk(envelope, {"role": "assistant", "content": None, "tool_calls": [call]}),
             chat_chunk(envelope, {}, "tool_calls"),
         ]
-    said = str(results[-1].get("content")) if results else "nothing"
-    pieces = text_pieces(f"The tool said: {said}", 1)
+    pieces = text_pieces(said, 1)
     chunks = [chat_chunk(envelope, {"role": "assistant", "content": ""})]
     chunks += [chat_chunk(envelope, {"content": piece}) for piece in pieces]
     return [*chunks, chat_chunk(envelope, {}, "stop")]
@@ -174,6 +183,13 @@ def response_events(script: Json, body: Json) -> list[Json]:
         return [{"sequence_number": i, **event} for i, event in enumerate(script["events"])]
     turns = conversation(body.get("input"))
     text = script_text(script, turns)
+    if "tool_loop" in script:
+        items = body["input"] if isinstance(body["input"], list) else []
+        results = [str(item.get("output")) for item in items if item.get("type") == "function_call_output"]
+        offered = [tool for tool in body.get("tools") or [] if tool.get("type") == "function"]
+        function, text = tool_loop_step(script["tool_loop"], offered, results)
+        if function is not None:
+            return function_call_events(body, function["name"], text, len(results))
     pieces = text_pieces(text, int(script.get("words_per_chunk", 1)))
     response_id, message_id = f"resp_up{uuid.uuid4().hex}", f"msg_up{uuid.uuid4().hex}"
     started = response_snapshot(body, response_id, "in_progress", [], None)
@@ -197,6 +213,28 @@ def response_events(script: Json, body: Json) -> list[Json]:
          "response": response_snapshot(body, response_id, "completed", [done_message], usage)},
     ]  # fmt: skip
     return [{**event, "sequence_number": number} for number, event in enumerate(events)]
+
+
+def function_call_events(body: Json, name: str, arguments: str, number: int) -> list[Json]:
+    """The Responses events of one function call, numbered from 0."""
+    response_id, item_id = f"resp_up{uuid.uuid4().hex}", f"fc_up{uuid.uuid4().hex}"
+    started = response_snapshot(body, response_id, "in_progress", [], None)
+    call: Json = {"type": "function_call", "id": item_id, "call_id": f"call_{number}", "name": name}
+    call.update(arguments="", status="in_progress")
+    done = {**call, "arguments": arguments, "status": "completed"}
+    where = {"item_id": item_id, "output_index": 0}
+    usage = responses_usage({}, conversation(body.get("input")), 1)
+    events: list[Json] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+        {"type": "response.output_item.added", "output_index": 0, "item": call},
+        {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+        {"type": "response.function_call_arguments.done", **where, "arguments": arguments},
+        {"type": "response.output_item.done", "output_index": 0, "item": done},
+        {"type": "response.completed",
+         "response": response_snapshot(body, response_id, "completed", [done], usage)},
+    ]  # fmt: skip
+    return [{**event, "sequence_number": index} for index, event in enumerate(events)]
 
 
 def encode(data: object) -> bytes:

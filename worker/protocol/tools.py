@@ -8,7 +8,9 @@
   on the Response (`unavailable_tools`); `RESPOOL_UNAVAILABLE_TOOLS=reject` refuses the request
   instead, as a 400 naming it.
 
-A Responses upstream runs its own hosted tools: this sorting is for the other backends.
+A Responses upstream runs its own hosted tools, except those respool always runs itself
+(`RUN_BY_RESPOOL`: MCP servers, whose secrets, approvals and calls the worker keeps): this sorting
+is for the other backends.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
 
 CLIENT_SIDE = frozenset({"function", "custom", "namespace"})
+# The tool types respool's worker runs itself, on either backend (DESIGN.md §10).
+RUN_BY_RESPOOL = frozenset({"mcp"})
 # Every tool type the `openai` SDK's `Tool` union has (the reference for shapes, PROTOCOL.md).
 KNOWN_TYPES = frozenset(
     {

@@ -235,13 +235,7 @@ async def _generate(
 ) -> chat_stream.Outcome:
     route = rt.routes.resolve(stored.request["model"])
     model = route.upstream_model or route.model
-    if route.api is UpstreamApi.RESPONSES:
-        native_state = native.NativeStream()
-        body = native.to_responses_request(stored.request, stored.conversation, model)
-        events = stream_json(rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
-        translate = partial(native.translate_event, native_state)
-        finish = partial(native.finish_stream, native_state)
-        return await _translate(writer, events, translate, finish, native_state.output)
+    turn = _native_turn if route.api is UpstreamApi.RESPONSES else _chat_turn
     if tool_loop.uses_tools(stored.request):
         loop = tool_loop.ToolLoop(
             writer=writer,
@@ -253,26 +247,43 @@ async def _generate(
             conversation=stored.conversation,
             response_id=stored.id,
         )
-        return await loop.run(
-            resumed or output.Output(), partial(_chat_turn, rt, writer, stored, route, model)
-        )
-    return await _chat_turn(rt, writer, stored, route, model, output.Output(), (), stored.conversation)
+        return await loop.run(resumed or output.Output(), partial(turn, rt, writer, route, model))
+    return await turn(rt, writer, route, model, stored.request, output.Output(), (), stored.conversation)
+
+
+async def _native_turn(
+    rt: Runtime,
+    writer: ResponseWriter,
+    route: Route,
+    model: str,
+    request: dict[str, Any],
+    out: output.Output,
+    server_tools: tuple[ServerTool, ...],
+    conversation: list[dict[str, Any]],
+) -> chat_stream.Outcome:
+    """One turn of a Responses upstream: its events told into `out` (the response's output so far)."""
+    native_state = native.start_stream(out, server_tools)
+    body = native.to_responses_request(request, conversation, model, server_tools)
+    events = stream_json(rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
+    translate = partial(native.translate_event, native_state)
+    finish = partial(native.finish_stream, native_state)
+    return await _translate(writer, events, translate, finish, native_state.output)
 
 
 async def _chat_turn(
     rt: Runtime,
     writer: ResponseWriter,
-    stored: store.StoredResponse,
     route: Route,
     model: str,
+    request: dict[str, Any],
     out: output.Output,
     server_tools: tuple[ServerTool, ...],
     conversation: list[dict[str, Any]],
 ) -> chat_stream.Outcome:
     """One chat model turn: its events told into `out` (the response's output so far)."""
-    options = chat_request.stream_options(stored.request, server_tools)
+    options = chat_request.stream_options(request, server_tools)
     chat_state = chat_stream.start_stream(**options, output=out)
-    body = chat_request.to_chat_request(stored.request, conversation, model, server_tools)
+    body = chat_request.to_chat_request(request, conversation, model, server_tools)
     chunks = _chat_chunks(rt, route, body)
     translate = partial(chat_stream.translate_chunk, chat_state)
     finish = partial(chat_stream.finish_stream, chat_state)

@@ -33,9 +33,10 @@ from worker.translation.output import Output
 
 log = logging.getLogger("respool.tools")
 
-# One model turn: given the output so far, the tools respool offers now and the conversation, it
-# streams the turn's events into the output and says how the turn ended.
-Turn = Callable[[Output, tuple[ServerTool, ...], list[dict[str, Any]]], Awaitable[Outcome]]
+# One model turn: given the request as this turn applies it, the output so far, the tools respool
+# offers now and the conversation, it streams the turn's events into the output and says how the
+# turn ended.
+Turn = Callable[[dict[str, Any], Output, tuple[ServerTool, ...], list[dict[str, Any]]], Awaitable[Outcome]]
 STEP_TYPES = frozenset({"mcp_call", "mcp_list_tools"})
 _HANDED_BACK = frozenset({"mcp_approval_request", "function_call", "custom_tool_call"})
 _CANCELLED = {
@@ -90,7 +91,7 @@ class ToolLoop:
             made = sum(1 for item in out.items if item.type == "mcp_call" and item.status != "in_progress")
             now = offered if limit is None or made < limit else ()
             start = len(out.items)
-            outcome = await turn(out, now, self._history(out))
+            outcome = await turn(self._turn_request(made), out, now, self._history(out))
             # A turn that asked for an approval, or called a tool the client runs, ends the response
             # once the calls respool runs are done.
             hands_back = any(item.type in _HANDED_BACK for item in out.items[start:])
@@ -117,9 +118,11 @@ class ToolLoop:
         for _, tool in tools.mcp_tools(self.request.get("tools") or []):
             label = str(tool["server_label"])
             registered = self.routes.mcp_servers.get(label)
-            url = tool.get("server_url") or (registered.url if registered else "")
-            headers = {**(registered.headers() if registered else {}), **secrets.get(label, {})}
-            self.servers[label] = (tool, mcp.Server(label, str(url), headers))
+            url = str(tool.get("server_url") or (registered.url if registered else ""))
+            # The operator's headers go only to the operator's server, never to a URL a client gave.
+            own = registered.headers() if registered and url == registered.url else {}
+            headers = {**own, **secrets.get(label, {})}
+            self.servers[label] = (tool, mcp.Server(label, url, headers))
 
     async def _list(self, out: Output) -> tuple[ServerTool, ...]:
         """Each server's tools: from an earlier listing along the chain or in this output, else
@@ -215,6 +218,17 @@ class ToolLoop:
             await self.writer.settle()
             raise
         self.writer.send(output.end_call(out, item, output=result.output, error=result.error))
+
+    def _turn_request(self, made: int) -> dict[str, Any]:
+        """The request as a turn applies it: a `tool_choice` that forces a call holds only until a
+        call has run; then the model is free to answer (or it would call on every turn until
+        `max_tool_calls`); `allowed_tools` keeps its restriction."""
+        choice = self.request.get("tool_choice")
+        if not made or choice in (None, "none", "auto"):
+            return self.request
+        if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+            return {**self.request, "tool_choice": {**choice, "mode": "auto"}}
+        return {**self.request, "tool_choice": "auto"}
 
     def _history(self, out: Output) -> list[dict[str, Any]]:
         """The conversation the next turn sees: the input, and this response's finished items."""

@@ -58,7 +58,7 @@ from worker.translation import chat_request
 log = logging.getLogger("respool.service")
 
 # The server-side tool types the worker runs (DESIGN.md §10); the rest of them are unavailable.
-RUNNABLE_TOOLS: frozenset[str] = frozenset({"mcp"})
+RUNNABLE_TOOLS: frozenset[str] = tools.RUN_BY_RESPOOL
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def tool_params(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = 
     """`tools`, `tool_choice` and `parallel_tool_calls` for the chat request (rules above)."""
     offered = _offered(request, server_tools)
     tools = [tool for tool, _ in offered.values()]
-    choice = _server_tool_choice(request.get("tool_choice"), server_tools)
+    choice = server_tool_choice(request.get("tool_choice"), server_tools)
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         tools, choice = _allowed_tools(tools, choice)
     chat_choice = _chat_tool_choice(choice, {tool["function"]["name"] for tool in tools})
@@ -93,7 +93,7 @@ def tool_params(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = 
     return params
 
 
-def _server_tool_choice(
+def server_tool_choice(
     choice: str | dict[str, Any] | None, server_tools: tuple[ServerTool, ...]
 ) -> str | dict[str, Any] | None:
     """A choice of a tool respool runs, as a choice of its function (rules above)."""

@@ -11,12 +11,19 @@ Request rules:
   `stream_options`, `metadata`) => not forwarded; `store: false`, `stream: true` always sent
 - conversation items => `input`, without respool's item ids and statuses (a `store: false`
   upstream cannot resolve them), except reasoning items, which the upstream reads whole
+- tools respool runs (`mcp`, DESIGN.md §10) => not forwarded: the tool loop offers each of their
+  tools as a function (`ServerTool`, `mcp__<server_label>__<name>`), and `tool_choice` naming one
+  as the choice of its function; an `mcp_call` of the conversation => a `function_call` and its
+  `function_call_output` (the result, or the error, as the model is told it); the listing, approval
+  requests and answers => nothing (as on Chat Completions)
 
 Stream rules (upstream event => what respool tells):
 - `response.created` / `.queued` / `.in_progress`, `keepalive`, unknown events of no known item
   => nothing
 - `output_item.added` message / reasoning => a new item of that type (its extra fields kept);
-  function_call => a new call; any other type (hosted tools) => a new item carried as given
+  function_call => a new call (of a tool respool runs: that tool's item, `mcp_call` or
+  `mcp_approval_request`, which the tool loop runs or hands back); any other type (hosted tools)
+  => a new item carried as given
 - `content_part.added` (and vLLM's `reasoning_part.added`) => a new part of the item's kind:
   message parts as given (`output_text` / `refusal`), reasoning parts always `reasoning_text`
 - `output_text.delta` / `refusal.delta` / `reasoning_text.delta` (and vLLM's older
@@ -43,9 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.errors import UpstreamStreamError
+from worker.protocol.tools import RUN_BY_RESPOOL
 from worker.translation import output
+from worker.translation.chat_messages import tool_result_text
 from worker.translation.chat_stream import Outcome
-from worker.translation.output import EventBody, Item, Output
+from worker.translation.chat_tools import CallShape, ServerTool, server_tool_choice
+from worker.translation.output import CALLS, EventBody, Item, Output
 
 _NOT_FORWARDED = {
     "background",
@@ -83,15 +93,60 @@ class NativeStream:
     items: dict[str, Item] = field(default_factory=dict)  # upstream item id => respool's item
     by_index: dict[int, Item] = field(default_factory=dict)  # upstream output_index => respool's item
     outcome: Outcome | None = None
+    call_shapes: dict[str, CallShape] = field(default_factory=dict)  # function name => a tool respool runs
+
+
+def start_stream(out: Output, server_tools: tuple[ServerTool, ...] = ()) -> NativeStream:
+    """The state of a native stream whose items go on `out` (a tool loop's output so far)."""
+    return NativeStream(output=out, call_shapes={tool.chat_name: tool.shape() for tool in server_tools})
 
 
 def to_responses_request(
-    request: dict[str, Any], conversation: list[dict[str, Any]], model: str
+    request: dict[str, Any],
+    conversation: list[dict[str, Any]],
+    model: str,
+    server_tools: tuple[ServerTool, ...] = (),
 ) -> dict[str, Any]:
     """The body for the upstream's `POST /responses`."""
     body = {key: value for key, value in request.items() if key not in _NOT_FORWARDED and value is not None}
-    body.update(model=model, input=[_strip(item) for item in conversation], store=False, stream=True)
+    items = [native for item in conversation for native in _native_items(item)]
+    body.update(model=model, input=items, store=False, stream=True)
+    tools = [tool for tool in body.get("tools") or [] if tool.get("type") not in RUN_BY_RESPOOL]
+    tools += [_function_tool(tool) for tool in server_tools]
+    choice = server_tool_choice(body.get("tool_choice"), server_tools)
+    body.pop("tools", None)
+    body.pop("tool_choice", None)
+    if tools:
+        body["tools"] = tools
+        if choice is not None:
+            body["tool_choice"] = choice
+    elif choice in ("none", "auto"):
+        body["tool_choice"] = choice
     return body
+
+
+def _function_tool(tool: ServerTool) -> dict[str, Any]:
+    function = {"type": "function", "name": tool.chat_name, "parameters": tool.parameters, "strict": False}
+    return {**function, "description": tool.description} if tool.description else function
+
+
+def _native_items(item: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation item as the upstream is sent it (rules above)."""
+    kind = item.get("type")
+    if kind in ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
+        return []
+    if kind != "mcp_call":
+        return [_strip(item)]
+    if item.get("output") is None and item.get("error") is None:
+        return []  # a call cut short: the model never saw it finish
+    call_id, name = str(item["id"]), f"mcp__{item.get('server_label')}__{item.get('name')}"
+    call = {
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": item.get("arguments") or "{}",
+    }
+    return [call, {"type": "function_call_output", "call_id": call_id, "output": tool_result_text(item)}]
 
 
 def _strip(item: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +198,16 @@ def finish_stream(state: NativeStream) -> tuple[list[EventBody], Outcome]:
 def _on_item_added(state: NativeStream, event: dict[str, Any]) -> list[EventBody]:
     item = event.get("item") or {}
     kind, upstream_id = str(item.get("type", "")), _item_id(event)
-    if kind == "function_call":
+    shape = state.call_shapes.get(str(item.get("name"))) if kind == "function_call" else None
+    if shape is not None:
+        fields = {"server_label": shape.server_label}
+        events = output.open_call(
+            state.output, upstream_id, None, shape.name, fields, item_type=shape.item_type
+        )
+        opened = output.call(state.output, upstream_id)
+        assert opened is not None
+        events += output.append_arguments(opened, item.get("arguments"))
+    elif kind == "function_call":
         events = output.open_call(state.output, upstream_id, item.get("call_id"), item.get("name"), item)
         opened = output.call(state.output, upstream_id)
         assert opened is not None
@@ -232,7 +296,8 @@ def _on_item_done(state: NativeStream, event: dict[str, Any]) -> list[EventBody]
         events += _fill_from(state, item, given)
     else:
         events = _fill_from(state, item, given)
-    output.update_fields(item, given)
+    if item.type not in (output.MCP_CALL, output.MCP_APPROVAL):  # its fields are respool's, not the call's
+        output.update_fields(item, given)
     key = next((key for key, open_item in state.output.side.items() if open_item is item), None)
     if key is not None:
         return events + output.close_side(state.output, key)
@@ -253,7 +318,7 @@ def _done_item(state: NativeStream, event: dict[str, Any], given: dict[str, Any]
 
 def _fill_from(state: NativeStream, item: Item, given: dict[str, Any]) -> list[EventBody]:
     """What a whole item at `.done` says that no delta did: its arguments, or its text."""
-    if item.type == "function_call":
+    if item.type in CALLS:
         return _on_arguments_done(state, {"item_id": item.id, "arguments": given.get("arguments")})
     if item.type != "message" or item.parts or not isinstance(given.get("content"), list):
         return []
@@ -331,9 +396,9 @@ def _follow(state: NativeStream, event: dict[str, Any], item_type: str) -> list[
 
 def _call_for(state: NativeStream, event: dict[str, Any]) -> Item:
     item = state.items.get(_item_id(event))
-    if item is not None and item.type == "function_call":
+    if item is not None and item.type in CALLS:
         return item
-    open_calls = [open_item for open_item in state.output.side.values() if open_item.type == "function_call"]
+    open_calls = [open_item for open_item in state.output.side.values() if open_item.type in CALLS]
     if open_calls:
         return open_calls[-1]
     raise UpstreamStreamError("the upstream streamed function call arguments outside of any call")

@@ -252,7 +252,7 @@ def update_fields(item: Item, fields: dict[str, Any]) -> None:
 
 def close_side(out: Output, key: Hashable, status: str = "completed") -> list[EventBody]:
     item = out.side.pop(key, None)
-    return close_item(item, status) if item else []
+    return _end(out, item, status) if item else []
 
 
 def close_current(out: Output) -> list[EventBody]:
