@@ -12,8 +12,8 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from tests.support.mcp_process import McpServerProcess
 from tests.support.stack import Servers, Stack, servers
+from tests.support.tool_servers import McpServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import FAILURES, ValidatingTransport
 
@@ -82,7 +82,7 @@ def mcp_server() -> Iterator[McpServerProcess]:
 @pytest.fixture(scope="session")
 def guarded_server() -> Iterator[McpServerProcess]:
     """A real MCP server that demands `Authorization: Bearer MCP_TOKEN`."""
-    server = McpServerProcess.start(token=MCP_TOKEN)
+    server = McpServerProcess.start("--token", MCP_TOKEN)
     yield server
     server.stop()
 

@@ -17,6 +17,7 @@ ITEM_PREFIXES = {
     "mcp_call": "mcp",
     "mcp_approval_request": "mcpr",
     "mcp_approval_response": "mcpa",
+    "web_search_call": "ws",
 }
 
 

@@ -47,6 +47,13 @@ def response_keys(response_id: str) -> list[str]:
     ]
 
 
+def tool_results_key(response_id: str) -> str:
+    """What each web search of a response found, as the model was told it (a hash: item id =>
+    text): the tool loop's journal of results its events do not carry, so a takeover tells the
+    model the same without searching again (DESIGN.md §10). Lives as long as the event stream."""
+    return f"{PREFIX}:{{{response_id}}}:tool_results"
+
+
 def secrets_key(response_id: str) -> str:
     """The secrets a response's `mcp` tools carry (`headers`, `authorization`), JSON per server
     label: kept out of its row and events, read by the worker that runs it (DESIGN.md §10)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     tool_secrets_seconds: int = Field(default=86400, gt=0)
     # A server-side tool's call (an MCP call, a search) gives up after this long.
     tool_timeout_seconds: float = Field(default=120.0, gt=0)
+    # Web search (`web_search` tools): the backend that runs it ("" = none: the tools are
+    # unavailable), its base URL (SearXNG's is required; Tavily's defaults to its API), its key
+    # (Tavily), and how many results the model is given per search.
+    web_search_backend: Literal["", "searxng", "tavily"] = ""
+    web_search_url: str = ""
+    web_search_api_key: SecretStr | None = None
+    web_search_max_results: int = Field(default=5, gt=0, le=20)
 
     # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
     sse_heartbeat_seconds: float = 15.0
@@ -125,6 +132,14 @@ class Settings(BaseSettings):
     # The synthetic model's pace, seconds between words: a small one, so that a first `stream=True`
     # is seen to stream (0 for tests and the benchmark).
     synthetic_delay_seconds: float = Field(default=0.02, ge=0)
+
+    @model_validator(mode="after")
+    def _search_backend_is_whole(self) -> Settings:
+        if self.web_search_backend == "searxng" and not self.web_search_url:
+            raise ValueError("RESPOOL_WEB_SEARCH_BACKEND=searxng needs RESPOOL_WEB_SEARCH_URL (its base URL)")
+        if self.web_search_backend == "tavily" and self.web_search_api_key is None:
+            raise ValueError("RESPOOL_WEB_SEARCH_BACKEND=tavily needs RESPOOL_WEB_SEARCH_API_KEY")
+        return self
 
     @property
     def has_servers(self) -> bool:

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from tests.conftest import MCP_TOKEN, NATIVE_MODEL, REGISTERED_LABEL
-from tests.support.mcp_process import McpServerProcess
 from tests.support.stack import Stack
+from tests.support.tool_servers import McpServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,9 @@ def test_a_responses_upstream_runs_the_same_loop(
     offered as function tools, the model's call comes back as an `mcp_call` respool runs, and the
     next turn is sent it as a `function_call` and its `function_call_output`; an approval waits, and
     the chain carries the call on."""
-    upstream.script(NATIVE_MODEL, {"tool_loop": {"tools": ["lookup", "add"], "steps": 2}})
+    upstream.script(
+        NATIVE_MODEL, {"times": 3, "tool_loop": {"tools": ["lookup", "add"], "steps": 2}, "then": {}}
+    )
     before = len(upstream.requests(NATIVE_MODEL))
     approval = {"never": {"tool_names": ["lookup"]}}
     tools = [mcp_tool(mcp_server, allowed_tools=["lookup", "add"], require_approval=approval)]

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import make_sdk, own_stack
 from tests.support.faults import KILL, check_ended, signal_process, wait_until_ended
-from tests.support.mcp_process import McpServerProcess
 from tests.support.stack import Servers, Stack, wait_for
+from tests.support.tool_servers import McpServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]

@@ -20,8 +20,12 @@ from typing import Any
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
 
 CLIENT_SIDE = frozenset({"function", "custom", "namespace"})
-# The tool types respool's worker runs itself, on either backend (DESIGN.md §10).
+# The tool types respool's worker runs itself, on either backend (DESIGN.md §10); and web search,
+# which it runs on either backend when a search backend is configured.
 RUN_BY_RESPOOL = frozenset({"mcp"})
+WEB_SEARCH_TYPES = frozenset(
+    {"web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11"}
+)
 # Every tool type the `openai` SDK's `Tool` union has (the reference for shapes, PROTOCOL.md).
 KNOWN_TYPES = frozenset(
     {
@@ -75,6 +79,33 @@ def refuse_unavailable(tools: list[dict[str, Any]], runnable: frozenset[str]) ->
 # What a client's `mcp` tool carries that is a secret: kept out of every row, event and log; the
 # worker gets it through Redis for the response's life (`split_secrets`).
 SECRET_FIELDS = ("headers", "authorization")
+
+
+def check_tool_choice(tools: list[dict[str, Any]], choice: object, runnable: frozenset[str]) -> None:
+    """A `tool_choice` that forces a server-side tool forces one this deployment runs and the request
+    offers: else a 400 naming it (the model would be answered without it)."""
+    if not isinstance(choice, dict) or choice.get("type") in CLIENT_SIDE | {"allowed_tools"}:
+        return
+    kind = choice.get("type")
+    if kind == "mcp":
+        labels = {tool.get("server_label") for _, tool in mcp_tools(tools)}
+        if choice.get("server_label") not in labels:
+            raise InvalidRequestError(
+                f"'tool_choice' names the mcp server '{choice.get('server_label')}', which is not in 'tools'.",
+                param="tool_choice.server_label",
+            )
+        return
+    if kind not in runnable:
+        raise UnsupportedParameterError(
+            f"'tool_choice' forces '{kind}' tools, which this server cannot run.", param="tool_choice"
+        )
+    if kind in WEB_SEARCH_TYPES and web_search_tool(tools) is None:
+        raise InvalidRequestError(f"'tool_choice' forces '{kind}', which is not in 'tools'.", param="tool_choice")
+
+
+def web_search_tool(tools: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The request's web search tool (the first, if it names several), or None."""
+    return next((tool for tool in tools if tool.get("type") in WEB_SEARCH_TYPES), None)
 
 
 def mcp_tools(tools: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:

@@ -135,7 +135,11 @@ async def _run_attempt(rt: Runtime, lease: Lease) -> None:
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover
     last_type = None if last is None else last.type
     resumed = None
-    if last_type is not None and last_type not in BEFORE_OUTPUT and tool_loop.uses_tools(stored.request):
+    if (
+        last_type is not None
+        and last_type not in BEFORE_OUTPUT
+        and tool_loop.uses_tools(stored.request, rt.searcher is not None)
+    ):
         resumed = await _resumable(rt, writer, response)
     if resumed is not None:
         log.info("response %s: attempt %d resumes its tool loop", stored.id, lease.attempt)
@@ -236,7 +240,7 @@ async def _generate(
     route = rt.routes.resolve(stored.request["model"])
     model = route.upstream_model or route.model
     turn = _native_turn if route.api is UpstreamApi.RESPONSES else _chat_turn
-    if tool_loop.uses_tools(stored.request):
+    if tool_loop.uses_tools(stored.request, rt.searcher is not None):
         loop = tool_loop.ToolLoop(
             writer=writer,
             redis=rt.redis,
@@ -246,6 +250,8 @@ async def _generate(
             request=stored.request,
             conversation=stored.conversation,
             response_id=stored.id,
+            searcher=rt.searcher,
+            journal_seconds=rt.stream_ttl_seconds,
         )
         return await loop.run(resumed or output.Output(), partial(turn, rt, writer, route, model))
     return await turn(rt, writer, route, model, stored.request, output.Output(), (), stored.conversation)

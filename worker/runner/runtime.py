@@ -20,6 +20,7 @@ from worker.outbound import OutboundPolicy
 from worker.postgres import store
 from worker.routing import Routes, load_routes
 from worker.runner.metrics import WorkerMetrics
+from worker.runner.search import DEFAULT_URLS, Searcher
 from worker.runner.upstream import RetryPolicy, create_client
 from worker.settings import Settings
 
@@ -50,6 +51,7 @@ class Runtime:
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     outbound: OutboundPolicy = field(default_factory=OutboundPolicy)  # DESIGN.md §13
     tool_timeout_seconds: float = 120.0
+    searcher: Searcher | None = None  # the web search backend, if one is configured
     log: EventLog = field(init=False)
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -100,7 +102,17 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         leases=Leases(redis, settings.lease_seconds),
         outbound=OutboundPolicy.parse(settings.outbound_allowlist),
         tool_timeout_seconds=settings.tool_timeout_seconds,
+        searcher=searcher_of(settings),
     )
+
+
+def searcher_of(settings: Settings) -> Searcher | None:
+    """The web search backend the settings configure, or None."""
+    if not settings.web_search_backend:
+        return None
+    key = settings.web_search_api_key.get_secret_value() if settings.web_search_api_key else ""
+    url = settings.web_search_url or DEFAULT_URLS.get(settings.web_search_backend, "")
+    return Searcher(settings.web_search_backend, url, key, settings.web_search_max_results)
 
 
 async def close_runtime(rt: Runtime) -> None:

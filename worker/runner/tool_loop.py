@@ -21,14 +21,16 @@ from redis.asyncio import Redis
 
 from worker.errors import ToolError
 from worker.events.writer import ResponseWriter
-from worker.keys import secrets_key
+from worker.keys import secrets_key, tool_results_key
 from worker.outbound import OutboundPolicy
 from worker.protocol import tools
 from worker.routing import Routes
-from worker.runner import mcp
+from worker.runner import mcp, search
+from worker.runner.search import Searcher
 from worker.translation import output
+from worker.translation.chat_messages import SEARCH_RESULTS, search_text
 from worker.translation.chat_stream import Outcome
-from worker.translation.chat_tools import ServerTool
+from worker.translation.chat_tools import WEB_SEARCH_TOOL, ServerTool
 from worker.translation.output import Output
 
 log = logging.getLogger("respool.tools")
@@ -37,7 +39,8 @@ log = logging.getLogger("respool.tools")
 # offers now and the conversation, it streams the turn's events into the output and says how the
 # turn ended.
 Turn = Callable[[dict[str, Any], Output, tuple[ServerTool, ...], list[dict[str, Any]]], Awaitable[Outcome]]
-STEP_TYPES = frozenset({"mcp_call", "mcp_list_tools"})
+STEP_TYPES = frozenset({"mcp_call", "mcp_list_tools", "web_search_call"})
+_CALL_TYPES = frozenset({"mcp_call", "web_search_call"})  # what max_tool_calls counts
 _HANDED_BACK = frozenset({"mcp_approval_request", "function_call", "custom_tool_call"})
 _CANCELLED = {
     "type": "mcp_protocol_error",
@@ -46,9 +49,11 @@ _CANCELLED = {
 }
 
 
-def uses_tools(request: dict[str, Any]) -> bool:
-    """Whether a response runs the loop: its request has tools respool runs."""
-    return bool(tools.mcp_tools(request.get("tools") or []))
+def uses_tools(request: dict[str, Any], can_search: bool) -> bool:
+    """Whether a response runs the loop: its request has tools respool runs (web search, when a
+    search backend is configured)."""
+    given = request.get("tools") or []
+    return bool(tools.mcp_tools(given)) or (can_search and tools.web_search_tool(given) is not None)
 
 
 def has_completed_step(out: Output) -> bool:
@@ -70,6 +75,8 @@ class ToolLoop:
         request: dict[str, Any],
         conversation: list[dict[str, Any]],
         response_id: str,
+        searcher: Searcher | None = None,
+        journal_seconds: int = 3600,
     ) -> None:
         self.writer = writer
         self.redis = redis
@@ -80,15 +87,22 @@ class ToolLoop:
         self.conversation = conversation
         self.response_id = response_id
         self.servers: dict[str, tuple[dict[str, Any], mcp.Server]] = {}
+        self.searcher = searcher
+        self.search_spec = tools.web_search_tool(request.get("tools") or []) if searcher else None
+        self.journal_seconds = journal_seconds
+        self.found: dict[str, str] = {}  # web search item id => what the model was told it found
 
     async def run(self, out: Output, turn: Turn) -> Outcome:
         await self._connect()
+        if self.search_spec is not None:
+            journal = await self.redis.hgetall(tool_results_key(self.response_id))
+            self.found = {_text(key): _text(value) for key, value in journal.items()}
         offered = await self._list(out)
         await self._run_approved(out)
         limit = self.request.get("max_tool_calls")
         usage: dict[str, Any] | None = None
         while True:
-            made = sum(1 for item in out.items if item.type == "mcp_call" and item.status != "in_progress")
+            made = sum(1 for item in out.items if item.type in _CALL_TYPES and item.status != "in_progress")
             now = offered if limit is None or made < limit else ()
             start = len(out.items)
             outcome = await turn(self._turn_request(made), out, now, self._history(out))
@@ -101,8 +115,14 @@ class ToolLoop:
             for item in list(out.pending):
                 if limit is not None and made >= limit:
                     message = f"Not run: this response reached its max_tool_calls ({limit})."
-                    error = {"type": "mcp_protocol_error", "code": -32000, "message": message}
-                    self.writer.send(output.end_call(out, item, error=error))
+                    if item.type == output.WEB_SEARCH:
+                        await self._journal(item, f"Error: {message}")
+                        self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
+                    else:
+                        error = {"type": "mcp_protocol_error", "code": -32000, "message": message}
+                        self.writer.send(output.end_call(out, item, error=error))
+                elif item.type == output.WEB_SEARCH:
+                    await self._search(out, item)
                 else:
                     await self._call(out, item)
                 made += 1
@@ -155,7 +175,8 @@ class ToolLoop:
             item.body = {**body, "tools": listed[label]}
             self.writer.send(completed + output.close_side(out, key))
         await self.writer.drain()
-        return tuple(
+        searching = (WEB_SEARCH_TOOL,) if self.search_spec is not None else ()
+        return searching + tuple(
             ServerTool(
                 name=str(entry["name"]),
                 server_label=label,
@@ -219,16 +240,61 @@ class ToolLoop:
             raise
         self.writer.send(output.end_call(out, item, output=result.output, error=result.error))
 
+    async def _search(self, out: Output, item: output.Item) -> None:
+        """Run the model's web search; what it found goes in the journal, then the item is done."""
+        assert self.searcher is not None and self.search_spec is not None
+        arguments = "".join(item.arguments) or "{}"
+        try:
+            parsed = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            parsed = None
+        query = str(parsed.get("query") or "") if isinstance(parsed, dict) else ""
+        self.writer.send(output.search_started(item, query))
+        domains = (self.search_spec.get("filters") or {}).get("allowed_domains") or None
+        try:
+            if not query:
+                raise ToolError(f"The search needs a 'query': the arguments were {arguments[:200]!r}.")
+            found = await self.searcher.search(query, self.policy, self.timeout, domains)
+        except ToolError as exc:
+            log.info("response %s: web search failed: %s", self.response_id, exc.message)
+            await self._journal(item, f"Error: {exc.message}")
+            self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
+            return
+        except asyncio.CancelledError:
+            self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
+            await self.writer.settle()
+            raise
+        await self._journal(item, search.results_text(query, found))
+        action = _action(item)
+        if "web_search_call.action.sources" in (self.request.get("include") or []):
+            action["sources"] = [{"type": "url", "url": result.url} for result in found]
+        self.writer.send(output.end_search(out, item, action))
+
+    async def _journal(self, item: output.Item, text: str) -> None:
+        """Keep what the model is told a search found, before the search is told done."""
+        self.found[item.id] = text
+        key = tool_results_key(self.response_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, item.id, text)
+            pipe.expire(key, self.journal_seconds)
+            await pipe.execute()
+
     def _turn_request(self, made: int) -> dict[str, Any]:
         """The request as a turn applies it: a `tool_choice` that forces a call holds only until a
         call has run; then the model is free to answer (or it would call on every turn until
         `max_tool_calls`); `allowed_tools` keeps its restriction."""
-        choice = self.request.get("tool_choice")
+        request = self.request
+        if self.search_spec is not None:  # respool runs it: never forwarded to a Responses upstream
+            kept = [
+                tool for tool in request.get("tools") or [] if tool.get("type") not in tools.WEB_SEARCH_TYPES
+            ]
+            request = {**request, "tools": kept}
+        choice = request.get("tool_choice")
         if not made or choice in (None, "none", "auto"):
-            return self.request
+            return request
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-            return {**self.request, "tool_choice": {**choice, "mode": "auto"}}
-        return {**self.request, "tool_choice": "auto"}
+            return {**request, "tool_choice": {**choice, "mode": "auto"}}
+        return {**request, "tool_choice": "auto"}
 
     def _history(self, out: Output) -> list[dict[str, Any]]:
         """The conversation the next turn sees: the input, and this response's finished items."""
@@ -237,7 +303,24 @@ class ToolLoop:
             for item in output.output_items(out)
             if item.get("status") in ("completed", "failed") and item.get("type") != "mcp_approval_request"
         ]
-        return [*self.conversation, *finished]
+        if self.search_spec is None:
+            return [*self.conversation, *finished]
+        # Searches respool ran are told to the model as what they found (the journal's text).
+        return [
+            {**item, SEARCH_RESULTS: self.found.get(str(item.get("id"))) or search_text(item)}
+            if item.get("type") == output.WEB_SEARCH
+            else item
+            for item in [*self.conversation, *finished]
+        ]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _action(item: output.Item) -> dict[str, Any]:
+    """A web search item's action as it stands (its query, once the search started)."""
+    return dict((item.body or {}).get("action") or {"type": "search"})
 
 
 def _read_only(entry: dict[str, Any]) -> bool:

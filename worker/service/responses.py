@@ -57,9 +57,6 @@ from worker.translation import chat_request
 
 log = logging.getLogger("respool.service")
 
-# The server-side tool types the worker runs (DESIGN.md §10); the rest of them are unavailable.
-RUNNABLE_TOOLS: frozenset[str] = tools.RUN_BY_RESPOOL
-
 
 @dataclass(frozen=True)
 class Stream:
@@ -206,11 +203,18 @@ class ResponseService:
     def _leave_out_unavailable(self, route: Route, request: CreateRequest, response: dict[str, Any]) -> None:
         """The server-side tools this deployment cannot run (a chat route's; a Responses upstream runs
         its own): refused, or left out and named on the Response (`RESPOOL_UNAVAILABLE_TOOLS`)."""
-        if not request.tools or route.is_native:
+        if route.is_native:
+            return
+        # The server-side tool types the worker runs (DESIGN.md §10); the rest are unavailable.
+        runnable = tools.RUN_BY_RESPOOL | (
+            tools.WEB_SEARCH_TYPES if self.settings.web_search_backend else set()
+        )
+        tools.check_tool_choice(request.tools or [], request.tool_choice, runnable)
+        if not request.tools:
             return
         if self.settings.unavailable_tools == "reject":
-            tools.refuse_unavailable(request.tools, RUNNABLE_TOOLS)
-        left_out = tools.unavailable(request.tools, RUNNABLE_TOOLS)
+            tools.refuse_unavailable(request.tools, runnable)
+        left_out = tools.unavailable(request.tools, runnable)
         if left_out:
             response["unavailable_tools"] = [tools.unavailable_note(tool) for _, tool in left_out]
             log.info(

@@ -28,8 +28,11 @@ _ITEM_TYPES = frozenset(
         "mcp_list_tools",
         "mcp_approval_request",
         "mcp_approval_response",
+        "web_search_call",
     }
 )
+# The key under which the tool loop hands a web search's found text to the translation (never sent).
+SEARCH_RESULTS = "_respool_search_results"
 
 
 @dataclass
@@ -78,6 +81,9 @@ def to_chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> l
     - `custom_tool_call` => a tool call like a function call's, its arguments `{"input": <input>}`
     - `reasoning` item text: its `reasoning_text` content, else its summaries; an item with only
       `encrypted_content` adds nothing, as no Chat Completions server can read it
+    - `mcp_call` (finished) => a tool call `mcp__<server_label>__<name>` and its result as a `tool`
+      message; `web_search_call` (finished) => a tool call `web_search({query})` and what it found;
+      `mcp_list_tools`, approval requests and answers => nothing
     - `function_call_output`, `custom_tool_call_output` => `tool` message with `tool_call_id`; list
       output => its text parts joined; image or file parts => 400, param `input[i].output[j]`
     - any other item type => 400, param `input[i]`
@@ -217,6 +223,31 @@ def tool_result_text(item: dict[str, Any]) -> str:
     return f"Error: {message if message is not None else error}"
 
 
+def _add_web_search_call(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
+    """A web search: the model's call of `web_search`, and what it found as the tool message after
+    it. One not finished is left out: the model never saw it finish."""
+    if item.get("status") in ("in_progress", "searching", "incomplete"):
+        return
+    call_id = _required(item, "id", index)
+    arguments = orjson.dumps({"query": (item.get("action") or {}).get("query") or ""}).decode()
+    function = {"name": "web_search", "arguments": arguments}
+    turn.tool_calls.append({"id": call_id, "type": "function", "function": function})
+    turn.results.append({"role": "tool", "tool_call_id": call_id, "content": search_text(item)})
+
+
+def search_text(item: dict[str, Any]) -> str:
+    """What the model is told a web search found: the loop's journal of it, else what the item says."""
+    if item.get(SEARCH_RESULTS) is not None:
+        return str(item[SEARCH_RESULTS])
+    action = item.get("action") or {}
+    if item.get("status") == "failed":
+        return f"Error: the search for {action.get('query')!r} failed."
+    sources = [str(source["url"]) for source in action.get("sources") or [] if source.get("url")]
+    return f"Searched the web for {action.get('query')!r}." + (
+        f" Sources: {', '.join(sources)}" if sources else ""
+    )
+
+
 def _add_nothing(turn: _AssistantTurn, item: dict[str, Any], index: int) -> None:
     """Items that tell the model nothing: a server's tool list (offered as tools instead), an
     approval request and its answer (the approved call follows as an `mcp_call`)."""
@@ -227,6 +258,7 @@ _ASSISTANT_ITEMS: dict[str, Callable[[_AssistantTurn, dict[str, Any], int], None
     "mcp_list_tools": _add_nothing,
     "mcp_approval_request": _add_nothing,
     "mcp_approval_response": _add_nothing,
+    "web_search_call": _add_web_search_call,
     "assistant_message": _add_assistant_message,
     "function_call": _add_function_call,
     "custom_tool_call": _add_custom_call,

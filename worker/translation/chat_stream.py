@@ -194,7 +194,7 @@ def _on_tool_call(state: ChatStream, tool_call: dict[str, Any]) -> list[EventBod
         state.call_ids[index] = call_id
         item = output.call(state.output, index)
         assert item is not None
-    if name and not item.fields["name"]:
+    if name and item.body is None and not item.fields.get("name"):
         shape = state.call_shapes.get(name)
         item.fields["name"] = shape.name if shape is not None else name
         if shape is not None and shape.namespace:

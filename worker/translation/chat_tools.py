@@ -14,9 +14,12 @@ Rules:
   (`mcp_call`, or `mcp_approval_request` when the call waits for the client's approval)
 - any other type (`web_search`, `mcp`, ... as the request names them) => not offered as such: the
   tool loop offers what it runs, and the service left out, or refused, what it cannot, at create
+- web search (when respool runs it) => a function `web_search(query)`; its calls come back as
+  `web_search_call` items
 - `tool_choice` `none`/`auto`/`required` => as is; `{type: function | custom, name}` =>
   `{type: function, function{name}}`; `{type: mcp, server_label, name}` => that tool's function
-  (without `name`: `required`), or nothing once the loop offers no server tools; `{type: allowed_tools, mode, tools}` => `tools` restricted
+  (without `name`: `required`), or nothing once the loop offers no server tools; `{type:
+  web_search_preview | web_search...}` => the `web_search` function, or nothing likewise; `{type: allowed_tools, mode, tools}` => `tools` restricted
   to those named and `tool_choice: mode`; any other type => 400, param `tool_choice`
 - two tools with one chat name => 400, param `tools[i]`
 - `parallel_tool_calls` => as is, only with tools
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
+from worker.protocol.tools import WEB_SEARCH_TYPES
 from worker.translation.chat_messages import chat_name, present
 
 CUSTOM_PARAMETERS = {
@@ -50,21 +54,42 @@ class CallShape:
 
 @dataclass(frozen=True)
 class ServerTool:
-    """A tool respool runs, offered to the model as a function (DESIGN.md §10)."""
+    """A tool respool runs, offered to the model as a function (DESIGN.md §10): an MCP server's
+    tool, or web search (`kind` "web_search", offered as `web_search(query)`)."""
 
     name: str
     server_label: str
     description: str | None
     parameters: dict[str, Any]
     needs_approval: bool = False
+    kind: str = "mcp"
 
     @property
     def chat_name(self) -> str:
+        if self.kind == "web_search":
+            return WEB_SEARCH_NAME
         return f"mcp__{self.server_label}__{self.name}"
 
     def shape(self) -> CallShape:
+        if self.kind == "web_search":
+            return CallShape("web_search_call", WEB_SEARCH_NAME)
         kind = "mcp_approval_request" if self.needs_approval else "mcp_call"
         return CallShape(kind, self.name, server_label=self.server_label)
+
+
+WEB_SEARCH_NAME = "web_search"
+WEB_SEARCH_TOOL = ServerTool(
+    name=WEB_SEARCH_NAME,
+    server_label="",
+    description="Search the web. Returns the top results, each with its title, URL and a snippet; "
+    "cite the URLs you use.",
+    parameters={
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "What to search for."}},
+        "required": ["query"],
+    },
+    kind="web_search",
+)
 
 
 def call_shapes(request: dict[str, Any], server_tools: tuple[ServerTool, ...] = ()) -> dict[str, CallShape]:
@@ -97,6 +122,9 @@ def server_tool_choice(
     choice: str | dict[str, Any] | None, server_tools: tuple[ServerTool, ...]
 ) -> str | dict[str, Any] | None:
     """A choice of a tool respool runs, as a choice of its function (rules above)."""
+    if isinstance(choice, dict) and choice.get("type") in WEB_SEARCH_TYPES:
+        offered = any(tool.kind == "web_search" for tool in server_tools)
+        return {"type": "function", "name": WEB_SEARCH_NAME} if offered else None
     if not isinstance(choice, dict) or choice.get("type") != "mcp":
         return choice
     label, name = choice.get("server_label"), choice.get("name")

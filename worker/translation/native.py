@@ -14,8 +14,9 @@ Request rules:
 - tools respool runs (`mcp`, DESIGN.md §10) => not forwarded: the tool loop offers each of their
   tools as a function (`ServerTool`, `mcp__<server_label>__<name>`), and `tool_choice` naming one
   as the choice of its function; an `mcp_call` of the conversation => a `function_call` and its
-  `function_call_output` (the result, or the error, as the model is told it); the listing, approval
-  requests and answers => nothing (as on Chat Completions)
+  `function_call_output` (the result, or the error, as the model is told it); a `web_search_call`
+  respool ran => a `web_search` `function_call` and what it found; the listing, approval requests
+  and answers => nothing (as on Chat Completions)
 
 Stream rules (upstream event => what respool tells):
 - `response.created` / `.queued` / `.in_progress`, `keepalive`, unknown events of no known item
@@ -49,10 +50,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from worker.errors import UpstreamStreamError
 from worker.protocol.tools import RUN_BY_RESPOOL
 from worker.translation import output
-from worker.translation.chat_messages import tool_result_text
+from worker.translation.chat_messages import SEARCH_RESULTS, search_text, tool_result_text
 from worker.translation.chat_stream import Outcome
 from worker.translation.chat_tools import CallShape, ServerTool, server_tool_choice
 from worker.translation.output import CALLS, EventBody, Item, Output
@@ -135,18 +138,22 @@ def _native_items(item: dict[str, Any]) -> list[dict[str, Any]]:
     kind = item.get("type")
     if kind in ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
         return []
+    if kind == "web_search_call" and SEARCH_RESULTS in item:  # a search respool ran
+        if item.get("status") in ("in_progress", "searching", "incomplete"):
+            return []
+        query = orjson.dumps({"query": (item.get("action") or {}).get("query") or ""}).decode()
+        return _function_pair(str(item["id"]), "web_search", query, search_text(item))
     if kind != "mcp_call":
         return [_strip(item)]
     if item.get("output") is None and item.get("error") is None:
         return []  # a call cut short: the model never saw it finish
-    call_id, name = str(item["id"]), f"mcp__{item.get('server_label')}__{item.get('name')}"
-    call = {
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": item.get("arguments") or "{}",
-    }
-    return [call, {"type": "function_call_output", "call_id": call_id, "output": tool_result_text(item)}]
+    name = f"mcp__{item.get('server_label')}__{item.get('name')}"
+    return _function_pair(str(item["id"]), name, item.get("arguments") or "{}", tool_result_text(item))
+
+
+def _function_pair(call_id: str, name: str, arguments: str, result: str) -> list[dict[str, Any]]:
+    call = {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+    return [call, {"type": "function_call_output", "call_id": call_id, "output": result}]
 
 
 def _strip(item: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +303,7 @@ def _on_item_done(state: NativeStream, event: dict[str, Any]) -> list[EventBody]
         events += _fill_from(state, item, given)
     else:
         events = _fill_from(state, item, given)
-    if item.type not in (output.MCP_CALL, output.MCP_APPROVAL):  # its fields are respool's, not the call's
+    if item.type != output.MCP_APPROVAL and not item.runs_here:  # a call of respool's keeps its own fields
         output.update_fields(item, given)
     key = next((key for key, open_item in state.output.side.items() if open_item is item), None)
     if key is not None:

@@ -36,8 +36,10 @@ EventBody = dict[str, Any]
 CUSTOM_CALL = "custom_tool_call"
 MCP_CALL = "mcp_call"
 MCP_APPROVAL = "mcp_approval_request"
-# The item types whose arguments are a call's: told as deltas (the first two), or at once.
-CALLS = frozenset({"function_call", CUSTOM_CALL, MCP_CALL, MCP_APPROVAL})
+WEB_SEARCH = "web_search_call"
+# The item types whose arguments are a call's: told as deltas (function and MCP calls), at once
+# (custom tool calls, approval requests), or in their action (web searches).
+CALLS = frozenset({"function_call", CUSTOM_CALL, MCP_CALL, MCP_APPROVAL, WEB_SEARCH})
 
 # PROTOCOL.md §4: per part type, the event type prefix of its deltas and the field its `.done`
 # event (and the part itself) carries the full text in.
@@ -72,6 +74,7 @@ class Item:
     body: dict[str, Any] | None = None  # any other item type: its whole body, as last given
     status: str = "in_progress"
     arguments_done: bool = False  # an MCP call's: its `response.mcp_call_arguments.done` was told
+    runs_here: bool = False  # a call of a tool respool runs (not one a Responses upstream ran)
 
     @property
     def type(self) -> str:
@@ -171,11 +174,23 @@ def open_call(
     item_type: str = "function_call",
 ) -> list[EventBody]:
     """Open a call under `key`: a `function_call`, or a `custom_tool_call` (whose arguments are the
-    JSON `{"input": ...}` a chat upstream was asked for, told as its input when it ends); an open
-    call under the same key is done first."""
+    JSON `{"input": ...}` a chat upstream was asked for, told as its input when it ends), or a call of
+    a tool respool runs (an MCP call, an approval request, a web search, whose arguments are the
+    query the loop runs it with: told in its `action`, never as arguments); an open call under the
+    same key is done first."""
     events = close_current(out)
     if key in out.side:
         events += _end(out, out.side.pop(key), "completed")
+    if item_type == WEB_SEARCH:
+        search = _new_item(out, {"id": new_item_id(WEB_SEARCH), "type": WEB_SEARCH})
+        search.body = {"action": {"type": "search"}}
+        search.runs_here = True
+        out.side[key] = search
+        return [
+            *events,
+            item_event("added", search),
+            {"type": f"response.{WEB_SEARCH}.in_progress", **address(search)},
+        ]
     item = _new_item(
         out,
         {
@@ -187,6 +202,7 @@ def open_call(
         },
     )
     out.side[key] = item
+    item.runs_here = item_type == MCP_CALL
     events.append(item_event("added", item))
     if item_type == MCP_CALL:
         events.append({"type": "response.mcp_call.in_progress", **address(item)})
@@ -204,7 +220,7 @@ def append_arguments(item: Item, arguments: str | None) -> list[EventBody]:
     if not arguments:
         return []
     item.arguments.append(arguments)
-    if item.type in (CUSTOM_CALL, MCP_APPROVAL):
+    if item.type in (CUSTOM_CALL, MCP_APPROVAL, WEB_SEARCH):
         return []
     kind = "mcp_call_arguments" if item.type == MCP_CALL else "function_call_arguments"
     return [{"type": f"response.{kind}.delta", **address(item), "delta": arguments}]
@@ -270,16 +286,18 @@ def close_open(out: Output, status: str) -> list[EventBody]:
 
 
 def _end(out: Output, item: Item, status: str) -> list[EventBody]:
-    """An item's end: an MCP call the model completed waits to be run (`settle_call`); the rest close."""
-    if item.type == MCP_CALL and status == "completed":
+    """An item's end: a call of a tool respool runs that the model completed waits to be run
+    (`settle_call`); the rest close."""
+    if item.runs_here and status == "completed":
         return settle_call(out, item)
     return close_item(item, status)
 
 
 def settle_call(out: Output, item: Item) -> list[EventBody]:
-    """An MCP call whose arguments are complete: told so, and kept open in `out.pending` to be run."""
+    """A call of a tool respool runs whose arguments are complete: kept open in `out.pending` to be
+    run (an MCP call's arguments told done)."""
     out.pending.append(item)
-    return _arguments_done(item)
+    return _arguments_done(item) if item.type == MCP_CALL else []
 
 
 def _arguments_done(item: Item) -> list[EventBody]:
@@ -302,6 +320,27 @@ def end_call(
     kind = "failed" if error is not None else "completed"
     item.status = kind
     return [{"type": f"response.mcp_call.{kind}", **address(item)}, item_event("done", item)]
+
+
+def search_started(item: Item, query: str) -> list[EventBody]:
+    """A pending web search, run now with `query`: told as searching."""
+    assert item.body is not None
+    item.body["action"] = {"type": "search", "query": query}
+    return [{"type": f"response.{WEB_SEARCH}.searching", **address(item)}]
+
+
+def end_search(
+    out: Output, item: Item, action: dict[str, Any], *, is_failed: bool = False
+) -> list[EventBody]:
+    """A pending web search, run: its `action` (query, and sources when asked for) told, the item done.
+    A failed search has no event of its own: its item is done `failed`."""
+    if item in out.pending:
+        out.pending.remove(item)
+    assert item.body is not None
+    item.body["action"] = action
+    item.status = "failed" if is_failed else "completed"
+    told = [] if is_failed else [{"type": f"response.{WEB_SEARCH}.completed", **address(item)}]
+    return [*told, item_event("done", item)]
 
 
 def close_item(item: Item, status: str) -> list[EventBody]:

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.translation.output import CUSTOM_CALL, MCP_CALL, EventBody, Item, Output, Part, kept_fields
+from worker.translation.output import (
+    CUSTOM_CALL,
+    MCP_CALL,
+    WEB_SEARCH,
+    EventBody,
+    Item,
+    Output,
+    Part,
+    kept_fields,
+)
 
 
 def rebuild(events: Iterable[EventBody]) -> Output:
@@ -28,7 +37,7 @@ def _replay_item_added(out: Output, event: EventBody) -> None:
         out.current = item
     else:
         if item.type not in ("function_call", CUSTOM_CALL, MCP_CALL):
-            item.body = given
+            item.body = _body(item, given)
         out.side[item.id] = item
 
 
@@ -38,7 +47,7 @@ def _replay_item_done(out: Output, event: EventBody) -> None:
         return
     item.status = str(event["item"].get("status") or "completed")
     if item.body is not None:
-        item.body = dict(event["item"])
+        item.body = _body(item, event["item"])
     else:  # what was told last, `encrypted_content` included
         item.fields = {**kept_fields(event["item"]), "id": item.id, "type": item.type}
     for part in [*item.parts, *item.summary]:
@@ -46,6 +55,14 @@ def _replay_item_done(out: Output, event: EventBody) -> None:
     if out.current is item:
         out.current = None
     out.side.pop(item.id, None)
+
+
+def _body(item: Item, given: EventBody) -> dict[str, object]:
+    """A hosted item's body as told; a web search's status is respool's own (`item.status`)."""
+    if item.type != WEB_SEARCH:
+        return dict(given)
+    item.status = str(given.get("status") or item.status)
+    return {key: value for key, value in given.items() if key != "status"}
 
 
 def _replay_part_added(out: Output, event: EventBody) -> None:

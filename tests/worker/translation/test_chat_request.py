@@ -407,7 +407,7 @@ PARAMETER_ERRORS = [
 ITEM_ERRORS = [
     ("item-reference", [*HELLO, {"type": "item_reference", "id": "msg_1"}], U, "input[1]"),
     ("computer-call", [{"type": "computer_call", "call_id": "c"}], U, "input[0]"),
-    ("web-search-call", [*HELLO, {"type": "web_search_call", "id": "ws"}], U, "input[1]"),
+    ("file-search-call", [*HELLO, {"type": "file_search_call", "id": "fs"}], U, "input[1]"),
     ("unknown-item", [{"type": "frobnicate"}], U, "input[0]"),
     ("unknown-role", [message("tool", text("x"))], V, "input[0].role"),
     (

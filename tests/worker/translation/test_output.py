@@ -90,3 +90,58 @@ def test_a_tool_loops_mcp_calls_are_rebuilt_from_their_events() -> None:
         "response.mcp_call.completed",
         "response.output_item.done",
     ]
+
+
+def test_a_web_search_is_told_run_and_rebuilt_as_openai_tells_it() -> None:
+    """A web search call: added and in progress, searching, completed with its action, done; a
+    takeover rebuilds it with its status, and a search still open closes `incomplete`."""
+    from worker.translation import output as out_module
+    from worker.translation.chat_messages import SEARCH_RESULTS, to_chat_messages
+    from worker.translation.replay import rebuild
+
+    out = out_module.Output()
+    events = out_module.open_call(out, 0, "call_0", "web_search", None, item_type="web_search_call")
+    item = out_module.call(out, 0)
+    assert item is not None
+    events += out_module.append_arguments(item, '{"query": "respool"}')  # never told as such
+    events += out_module.close_open(out, "completed")
+    assert out.pending == [item]
+    events += out_module.search_started(item, "respool")
+    action = {"type": "search", "query": "respool", "sources": [{"type": "url", "url": "https://x.org/r"}]}
+    events += out_module.end_search(out, item, action)
+    events += out_module.open_call(out, 1, "call_1", "web_search", None, item_type="web_search_call")
+    assert [event["type"] for event in events] == [
+        "response.output_item.added",
+        "response.web_search_call.in_progress",
+        "response.web_search_call.searching",
+        "response.web_search_call.completed",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.web_search_call.in_progress",
+    ]
+    searched = {"id": item.id, "type": "web_search_call", "status": "completed", "action": action}
+    assert events[4]["item"] == searched
+    rebuilt = rebuild(events)
+    assert out_module.output_items(rebuilt) == out_module.output_items(out)
+    closed = out_module.close_open(rebuilt, "incomplete")
+    assert closed[-1]["item"]["status"] == "incomplete" and "arguments" not in closed[-1]["item"]
+    # The model is told the search as a call of web_search and what it found.
+    messages = to_chat_messages(None, [{**searched, SEARCH_RESULTS: "found: https://x.org/r"}])
+    assert messages == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": item.id,
+                    "type": "function",
+                    "function": {"name": "web_search", "arguments": '{"query":"respool"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": item.id, "content": "found: https://x.org/r"},
+    ]
+    # Without the loop's journal (a chain's earlier search): what the item itself says.
+    assert to_chat_messages(None, [searched])[1]["content"] == (
+        "Searched the web for 'respool'. Sources: https://x.org/r"
+    )
