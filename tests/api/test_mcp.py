@@ -112,6 +112,18 @@ def test_a_responses_upstream_runs_the_same_loop(
     ] * 2
 
 
+def test_the_older_sse_transport(
+    client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
+) -> None:
+    """A server_url ending in /sse is spoken to over the HTTP+SSE transport."""
+    mcp_server.reset()
+    upstream.script(model, {"tool_loop": {"tool": "add"}})
+    tool = mcp_tool(mcp_server, "legacy", server_url=mcp_server.url.removesuffix("/mcp") + "/sse")
+    response = client.responses.create(model=model, input="q", tools=[tool])  # type: ignore[list-item]
+    assert response.output_text == "The tool said: 4", response.error
+    assert mcp_server.calls() == {"add": [{"a": 2, "b": 2}]}
+
+
 def test_a_failing_tool_is_an_error_the_model_sees(
     client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
 ) -> None:

@@ -11,6 +11,7 @@ Control routes, which no MCP server has:
     GET  /_authorizations  every distinct `Authorization` header an MCP request carried
     POST /_reset        forgets both
 
+The same tools over the older HTTP+SSE transport at `/sse` (the URL with `/mcp` replaced).
 With `--token T`, every MCP request needs `Authorization: Bearer T` (else 401, as a server that
 demands auth answers). Run: `python -m tests.support.mcp_server --port 0` prints
 `LISTENING http://127.0.0.1:<port>/mcp`.
@@ -68,10 +69,12 @@ def build_server() -> MCPServer:
 
 
 class Guarded:
-    """The MCP app behind a bearer token (when one is set), with the control routes beside it."""
+    """The MCP app behind a bearer token (when one is set), with the control routes beside it; the
+    older HTTP+SSE transport's app serves `/sse` and `/messages/`."""
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, sse: ASGIApp, token: str | None) -> None:
         self.app = app
+        self.sse = sse
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,6 +99,9 @@ class Guarded:
             body = {"error": "unauthorized", "error_description": "a bearer token is required"}
             await JSONResponse(body, 401, {"www-authenticate": "Bearer"})(scope, receive, send)
             return
+        if scope["path"] == "/sse" or scope["path"].startswith("/messages/"):
+            await self.sse(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -104,7 +110,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token")
     args = parser.parse_args()
-    app = Guarded(build_server().streamable_http_app(stateless_http=True, json_response=False), args.token)
+    server = build_server()
+    streamable = server.streamable_http_app(stateless_http=True, json_response=False)
+    app = Guarded(streamable, server.sse_app(), args.token)
     sock = socket.create_server(("127.0.0.1", args.port))
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
     print(f"LISTENING http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)

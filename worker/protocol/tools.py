@@ -100,7 +100,9 @@ def check_tool_choice(tools: list[dict[str, Any]], choice: object, runnable: fro
             f"'tool_choice' forces '{kind}' tools, which this server cannot run.", param="tool_choice"
         )
     if kind in WEB_SEARCH_TYPES and web_search_tool(tools) is None:
-        raise InvalidRequestError(f"'tool_choice' forces '{kind}', which is not in 'tools'.", param="tool_choice")
+        raise InvalidRequestError(
+            f"'tool_choice' forces '{kind}', which is not in 'tools'.", param="tool_choice"
+        )
 
 
 def web_search_tool(tools: list[dict[str, Any]]) -> dict[str, Any] | None:

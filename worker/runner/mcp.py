@@ -1,5 +1,6 @@
 """Remote MCP servers, as the tool loop calls them (DESIGN.md §10): the `mcp` SDK's client over the
-Streamable HTTP transport, on an httpx2 client whose connections follow the SSRF rule (§13).
+Streamable HTTP transport (or the older HTTP+SSE one, for a URL ending in `/sse`), on httpx2
+clients whose connections follow the SSRF rule (§13).
 
 A session lasts one operation (a listing, or a call): the loop's steps are minutes apart at most,
 and a server restarted in between costs nothing. What a server answers is turned into the shapes
@@ -11,10 +12,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
 import orjson
 from mcp import Client
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
@@ -74,30 +77,57 @@ async def call_tool(
     return CallResult(text, None)
 
 
+def uses_sse(url: str) -> bool:
+    """Whether a server is reached over the older HTTP+SSE transport: its URL's path ends in `/sse`
+    (as those servers' endpoints do); any other URL is a Streamable HTTP endpoint."""
+    return urlsplit(url).path.rstrip("/").endswith("/sse")
+
+
 class _Session:
     """An MCP client session and the HTTP statuses its requests met (to name a 401 as such)."""
 
     def __init__(self, server: Server, policy: OutboundPolicy, timeout: float) -> None:
         self.server = server
+        self.policy = policy
         self.statuses: list[int] = []
-        transport = guard_transport(httpx2.AsyncHTTPTransport(trust_env=False), policy)
-        self.http = httpx2.AsyncClient(
-            transport=transport,
-            headers=server.headers,
-            timeout=httpx2.Timeout(timeout, connect=min(timeout, 10.0)),
+        self.http: httpx2.AsyncClient | None = None
+        limit = httpx2.Timeout(timeout, connect=min(timeout, 10.0))
+        if uses_sse(server.url):
+            # The SSE transport makes its client itself (through this factory) and closes it.
+            transport = sse_client(
+                server.url, headers=server.headers, timeout=timeout, httpx_client_factory=self._http_client
+            )
+        else:
+            self.http = self._http_client(server.headers, limit)
+            transport = streamable_http_client(server.url, http_client=self.http)
+        self.client = Client(transport, mode="legacy")
+
+    def _http_client(
+        self,
+        headers: dict[str, str] | None = None,
+        timeout: httpx2.Timeout | None = None,
+        auth: httpx2.Auth | None = None,
+    ) -> httpx2.AsyncClient:
+        """An httpx2 client whose connections follow the SSRF rule, recording every status met."""
+        return httpx2.AsyncClient(
+            transport=guard_transport(httpx2.AsyncHTTPTransport(trust_env=False), self.policy),
+            headers=headers,
+            timeout=timeout,
+            auth=auth,
             event_hooks={"response": [self._record]},
         )
-        self.client = Client(streamable_http_client(server.url, http_client=self.http), mode="legacy")
 
     async def _record(self, response: httpx2.Response) -> None:
         self.statuses.append(response.status_code)
 
     async def __aenter__(self) -> _Session:
-        await self.http.__aenter__()
+        if self.http is not None:
+            await self.http.__aenter__()
         try:
             await self.client.__aenter__()
         except BaseException as exc:
-            await self.http.__aexit__(None, None, None)
+            if self.http is not None:
+                await self.http.__aexit__(None, None, None)
             raise _failure(self.server, exc, self) from exc
         return self
 
@@ -107,7 +137,8 @@ class _Session:
         except Exception:  # the server may be gone: the result is in hand
             pass
         finally:
-            await self.http.__aexit__(None, None, None)
+            if self.http is not None:
+                await self.http.__aexit__(None, None, None)
 
     async def list_tools(self) -> Any:
         return await self.client.list_tools()

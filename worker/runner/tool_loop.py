@@ -3,10 +3,15 @@
 such a call, calls a client-side tool (the response ends and hands it back), asks for an approval,
 reaches `max_tool_calls`, or is cancelled.
 
+The tools it runs: the tools of MCP servers (`mcp.py`), and web search through the configured
+backend (`search.py`), offered to the model as functions on either kind of upstream.
+
 The event stream is the loop's journal. Every step is told as it happens (`mcp_list_tools`,
-`mcp_call`, with OpenAI's events), so a takeover rebuilds the output from it (`replay.rebuild`) and
-continues: a completed call is a result, never run again; what the dead attempt left open is
-closed `incomplete` and its turn runs again (`has_completed_step` says when a takeover may resume).
+`mcp_call`, `web_search_call`, with OpenAI's events), so a takeover rebuilds the output from it
+(`replay.rebuild`) and continues: a completed call is a result, never run again; what the dead
+attempt left open is closed `incomplete` and its turn runs again (`has_completed_step` says when a
+takeover may resume). What a search found, which no event carries, is journaled beside the stream
+(`keys.tool_results_key`) before the search is told done.
 """
 
 from __future__ import annotations
