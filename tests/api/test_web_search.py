@@ -100,6 +100,18 @@ def test_a_search_and_an_answer_from_its_results(
     assert "https://docs.example.com/respool-queues" in result["content"]
     assert "the second result's snippet" in result["content"]
     assert message.type == "message" and response.output_text.startswith("The tool said: Results for")
+    # The answer names the pages the search found: each place is a url_citation, told before the text's end.
+    text = message.content[0]  # type: ignore[union-attr]
+    cited = [(a.url, a.title, text.text[a.start_index : a.end_index]) for a in text.annotations]  # type: ignore[union-attr]
+    assert cited == [
+        (url, title, url)
+        for url, title in zip(
+            urls,
+            ["All about respool queues", "Reference for respool queues", "News on respool queues"],
+            strict=True,
+        )
+    ]
+    assert kinds.index("response.output_text.annotation.added") < kinds.index("response.output_text.done")
     assert searching.responses.retrieve(response.id).output[0] == call
 
 

@@ -96,12 +96,17 @@ class ToolLoop:
         self.search_spec = tools.web_search_tool(request.get("tools") or []) if searcher else None
         self.journal_seconds = journal_seconds
         self.found: dict[str, str] = {}  # web search item id => what the model was told it found
+        self.pages: dict[str, str] = {}  # URL => title, of every page a search found
 
     async def run(self, out: Output, turn: Turn) -> Outcome:
         await self._connect()
         if self.search_spec is not None:
             journal = await self.redis.hgetall(tool_results_key(self.response_id))
-            self.found = {_text(key): _text(value) for key, value in journal.items()}
+            for key, value in journal.items():
+                entry = orjson.loads(value)
+                self.found[_text(key)] = entry["text"]
+                self.pages.update(entry["pages"])
+            out.cite = self._cite
         offered = await self._list(out)
         await self._run_approved(out)
         limit = self.request.get("max_tool_calls")
@@ -121,7 +126,7 @@ class ToolLoop:
                 if limit is not None and made >= limit:
                     message = f"Not run: this response reached its max_tool_calls ({limit})."
                     if item.type == output.WEB_SEARCH:
-                        await self._journal(item, f"Error: {message}")
+                        await self._journal(item, f"Error: {message}", [])
                         self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
                     else:
                         error = {"type": "mcp_protocol_error", "code": -32000, "message": message}
@@ -262,27 +267,49 @@ class ToolLoop:
             found = await self.searcher.search(query, self.policy, self.timeout, domains)
         except ToolError as exc:
             log.info("response %s: web search failed: %s", self.response_id, exc.message)
-            await self._journal(item, f"Error: {exc.message}")
+            await self._journal(item, f"Error: {exc.message}", [])
             self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
             return
         except asyncio.CancelledError:
             self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
             await self.writer.settle()
             raise
-        await self._journal(item, search.results_text(query, found))
+        await self._journal(item, search.results_text(query, found), found)
         action = _action(item)
         if "web_search_call.action.sources" in (self.request.get("include") or []):
             action["sources"] = [{"type": "url", "url": result.url} for result in found]
         self.writer.send(output.end_search(out, item, action))
 
-    async def _journal(self, item: output.Item, text: str) -> None:
-        """Keep what the model is told a search found, before the search is told done."""
+    async def _journal(self, item: output.Item, text: str, found: list[search.Result]) -> None:
+        """Keep what the model is told a search found (and the pages, to cite), before the search is
+        told done."""
+        pages = {result.url: result.title for result in found}
         self.found[item.id] = text
+        self.pages.update(pages)
         key = tool_results_key(self.response_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, item.id, text)
+            pipe.hset(key, item.id, orjson.dumps({"text": text, "pages": pages}))
             pipe.expire(key, self.journal_seconds)
             await pipe.execute()
+
+    def _cite(self, text: str) -> list[dict[str, Any]]:
+        """A `url_citation` for every place the text names a page a search found."""
+        citations = []
+        for url, title in self.pages.items():
+            start = text.find(url)
+            while start >= 0:
+                end = start + len(url)
+                citations.append(
+                    {
+                        "type": "url_citation",
+                        "start_index": start,
+                        "end_index": end,
+                        "url": url,
+                        "title": title,
+                    }
+                )
+                start = text.find(url, end)
+        return sorted(citations, key=lambda citation: int(citation["start_index"]))
 
     def _turn_request(self, made: int) -> dict[str, Any]:
         """The request as a turn applies it: a `tool_choice` that forces a call holds only until a

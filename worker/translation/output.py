@@ -21,7 +21,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,11 @@ class Part:
     is_open: bool = True
 
 
+# The citations a finished output_text part's text earns (`url_citation` annotations of the web
+# pages a search found that it names), given by the tool loop.
+Cite = Callable[[str], list[dict[str, Any]]]
+
+
 @dataclass
 class Item:
     output_index: int
@@ -75,6 +80,7 @@ class Item:
     status: str = "in_progress"
     arguments_done: bool = False  # an MCP call's: its `response.mcp_call_arguments.done` was told
     runs_here: bool = False  # a call of a tool respool runs (not one a Responses upstream ran)
+    cite: Cite | None = None  # a message's: the citations its output text earns when a part ends
 
     @property
     def type(self) -> str:
@@ -93,6 +99,7 @@ class Output:
     current: Item | None = None
     side: dict[Hashable, Item] = field(default_factory=dict)
     pending: list[Item] = field(default_factory=list)  # calls the model made that respool runs
+    cite: Cite | None = None  # given to every message started from now on
 
 
 # --- what the model says ------------------------------------------------------------------------
@@ -399,11 +406,24 @@ def _close_part(item: Item, index: int) -> list[EventBody]:
     part = item.parts[index]
     part.is_open = False
     prefix, text_field = PART_EVENTS[part.type]
+    text = "".join(part.text)
     done: EventBody = {"type": f"{prefix}.done", **address(item), "content_index": index}
-    done[text_field] = "".join(part.text)
+    done[text_field] = text
+    cited: list[EventBody] = []
     if part.type == "output_text":
         done["logprobs"] = list(part.logprobs)
-    return [done, _part_event("done", item, index)]
+        for annotation in item.cite(text) if item.cite else []:
+            if annotation not in part.annotations:
+                part.annotations.append(annotation)
+                where = {
+                    **address(item),
+                    "content_index": index,
+                    "annotation_index": len(part.annotations) - 1,
+                }
+                cited.append(
+                    {"type": "response.output_text.annotation.added", **where, "annotation": annotation}
+                )
+    return [*cited, done, _part_event("done", item, index)]
 
 
 def _open_summary(item: Item) -> list[EventBody]:
@@ -426,6 +446,8 @@ def _close_summary(item: Item) -> list[EventBody]:
 
 def _new_item(out: Output, fields: dict[str, Any]) -> Item:
     item = Item(output_index=len(out.items), fields=fields)
+    if fields["type"] == "message":
+        item.cite = out.cite
     out.items.append(item)
     return item
 
