@@ -13,7 +13,7 @@ from redis import Redis
 from rq import Queue
 
 from tests.support.stack import Servers, Stack, servers
-from tests.support.tool_servers import McpServerProcess
+from tests.support.tool_servers import McpServerProcess, SearchServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import FAILURES, ValidatingTransport
 
@@ -75,6 +75,14 @@ def upstream() -> Iterator[ScriptedUpstream]:
 def mcp_server() -> Iterator[McpServerProcess]:
     """A real MCP server (tests.support.mcp_server) on loopback."""
     server = McpServerProcess.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def search_server() -> Iterator[SearchServerProcess]:
+    """A search backend speaking SearXNG's and Tavily's APIs (tests.support.search_server) on loopback."""
+    server = SearchServerProcess.start()
     yield server
     server.stop()
 

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import make_sdk, own_stack
 from tests.support.faults import KILL, check_ended, signal_process, wait_until_ended
 from tests.support.stack import Servers, Stack, wait_for
-from tests.support.tool_servers import McpServerProcess
+from tests.support.tool_servers import McpServerProcess, SearchServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]
@@ -22,9 +22,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(3
 
 @pytest.fixture(scope="module")
 def loop_stack(
-    backing: Servers, upstream: ScriptedUpstream, session_dir: Path, stack: Stack
+    backing: Servers,
+    upstream: ScriptedUpstream,
+    session_dir: Path,
+    stack: Stack,
+    search_server: SearchServerProcess,
 ) -> Iterator[Stack]:
-    """An API of this module's own; the kill test starts the workers it kills."""
+    """An API of this module's own, searching on the test's SearXNG; the kill test starts the
+    workers it kills."""
     running = own_stack(
         backing,
         session_dir,
@@ -32,6 +37,8 @@ def loop_stack(
         RESPOOL_UPSTREAM_URL=upstream.url,
         RESPOOL_UPSTREAM_API="chat",
         RESPOOL_OUTBOUND_ALLOWLIST="127.0.0.0/8",
+        RESPOOL_WEB_SEARCH_BACKEND="searxng",
+        RESPOOL_WEB_SEARCH_URL=search_server.url,
     )
     running.start_api()
     yield running
@@ -48,14 +55,21 @@ def _start_worker(stack: Stack, name: str) -> None:
 
 
 def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
-    loop_stack: Stack, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
+    loop_stack: Stack,
+    upstream: ScriptedUpstream,
+    mcp_server: McpServerProcess,
+    search_server: SearchServerProcess,
+    model: str,
 ) -> None:
-    """A three-step loop (lookup, add, answer) whose worker is killed -9 while the answer streams: the
-    next worker continues from the finished calls (the MCP server saw each exactly once), closes the
-    half-told answer `incomplete`, asks the model again with the same history, and completes; the
+    """A loop (a web search, MCP lookup, MCP add, then the answer) whose worker is killed -9 while
+    the answer streams: the next worker continues from the finished steps (the search backend and
+    the MCP server saw each exactly once), closes the half-told answer `incomplete`, asks the model
+    again with the same history (the search's results from the journal), and completes; the
     client's one stream tells all of it, and every replay is gapless."""
     mcp_server.reset()
-    upstream.script(model, {"tool_loop": {"tools": ["lookup", "add"], "steps": 2}, "delay": 0.4})
+    search_server.reset()
+    steps = {"tools": ["web_search", "lookup", "add"], "steps": 3}
+    upstream.script(model, {"tool_loop": steps, "delay": 0.4})
     _start_worker(loop_stack, "doomed")
     seen: list[Any] = []
     killed_at: float | None = None
@@ -64,7 +78,7 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
             stream = sdk.responses.create(
                 model=model,
                 input="weather, then a sum",
-                tools=[mcp_tool(mcp_server)],  # type: ignore[list-item]
+                tools=[mcp_tool(mcp_server), {"type": "web_search"}],  # type: ignore[list-item]
                 background=True,
                 stream=True,
             )
@@ -84,6 +98,7 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
             kinds = [(item["type"], item.get("name"), item["status"]) for item in stored["output"]]
             assert kinds == [
                 ("mcp_list_tools", None, "completed"),
+                ("web_search_call", None, "completed"),
                 ("mcp_call", "lookup", "completed"),
                 ("mcp_call", "add", "completed"),
                 ("message", None, "incomplete"),  # the dead attempt's half-told answer, closed
@@ -100,9 +115,11 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
                 if name in loop_stack.processes:
                     loop_stack.stop(name, KILL)
     assert mcp_server.calls() == {"lookup": [{"city": "Paris"}], "add": [{"a": 2, "b": 2}]}
+    assert search_server.queries() == ["Paris"]
     requests = upstream.requests(model)
-    assert len(requests) == 4  # lookup, add, the answer cut short, the answer again
-    assert requests[3]["messages"] == requests[2]["messages"]
+    assert len(requests) == 5  # search, lookup, add, the answer cut short, the answer again
+    assert requests[4]["messages"] == requests[3]["messages"]
+    assert "https://example.org/paris" in requests[4]["messages"][2]["content"]  # the search's results
 
 
 def test_a_cancel_reaches_a_loop_waiting_on_a_tool(

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def search_server() -> Iterator[SearchServerProcess]:
-    server = SearchServerProcess.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def searching(
     backing: Servers,
     upstream: ScriptedUpstream,
