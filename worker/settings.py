@@ -117,8 +117,9 @@ class Settings(BaseSettings):
     # Web search (`web_search` tools): the backend that runs it ("" = none: the tools are
     # unavailable), its base URL (SearXNG's is required; Tavily's defaults to its API), its key
     # (Tavily), and how many results the model is given per search.
-    web_search_backend: Literal["", "searxng", "tavily"] = ""
+    web_search_backend: Literal["", "searxng", "tavily", "mcp"] = ""
     web_search_url: str = ""
+    web_search_mcp_tool: str = ""  # the `mcp` backend's `<label>/<tool>` (a server in respool.toml)
     web_search_api_key: SecretStr | None = None
     web_search_max_results: int = Field(default=5, gt=0, le=20)
 
@@ -139,6 +140,12 @@ class Settings(BaseSettings):
             raise ValueError("RESPOOL_WEB_SEARCH_BACKEND=searxng needs RESPOOL_WEB_SEARCH_URL (its base URL)")
         if self.web_search_backend == "tavily" and self.web_search_api_key is None:
             raise ValueError("RESPOOL_WEB_SEARCH_BACKEND=tavily needs RESPOOL_WEB_SEARCH_API_KEY")
+        label, _, tool = self.web_search_mcp_tool.partition("/")
+        if self.web_search_backend == "mcp" and not (label and tool):
+            raise ValueError(
+                "RESPOOL_WEB_SEARCH_BACKEND=mcp needs RESPOOL_WEB_SEARCH_MCP_TOOL=<label>/<tool> "
+                "(a server registered in respool.toml, and its search tool)"
+            )
         return self
 
     @property

@@ -5,6 +5,7 @@ Tools:
     add(a, b)           the sum, as text
     explode(reason)     fails: the call's result is an error naming `reason`
     slow(seconds)       sleeps, then "slept"
+    search(query)       two results as text, each with its URL (a search tool an operator registers)
 
 Control routes, which no MCP server has:
     GET  /_calls        {"<tool>": [arguments, ...]} every call received, in order
@@ -57,6 +58,13 @@ def build_server() -> MCPServer:
         """Always fails."""
         CALLS["explode"].append({"reason": reason})
         raise ValueError(f"exploded: {reason}")
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def search(query: str) -> str:
+        """Search the web (an operator's search tool: respool's `mcp` web search backend calls it)."""
+        CALLS["search"].append({"query": query})
+        slug = "-".join(query.lower().split())
+        return f"1. Guide to {query} - https://guide.example.org/{slug}\n2. More: https://more.example.com/{slug}."
 
     @server.tool()
     async def slow(seconds: float) -> str:

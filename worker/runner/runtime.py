@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.connections import connect
+from worker.errors import ConfigError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
 from worker.outbound import OutboundPolicy
@@ -87,6 +88,7 @@ class Runtime:
 async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Runtime:
     """Connections for a process that runs up to `concurrency` responses at once."""
     redis = connect(settings.redis_url, max_connections=max(16, concurrency // 4))
+    routes = load_routes(settings)
     return Runtime(
         engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
         redis=redis,
@@ -95,24 +97,35 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         ),
         retry=RetryPolicy.from_settings(settings),
         database_wait_seconds=settings.database_wait_seconds,
-        routes=load_routes(settings),
+        routes=routes,
         holder=holder,
         stream_ttl_seconds=settings.stream_ttl_seconds,
         synthetic_delay_seconds=settings.synthetic_delay_seconds,
         leases=Leases(redis, settings.lease_seconds),
         outbound=OutboundPolicy.parse(settings.outbound_allowlist),
         tool_timeout_seconds=settings.tool_timeout_seconds,
-        searcher=searcher_of(settings),
+        searcher=searcher_of(settings, routes),
     )
 
 
-def searcher_of(settings: Settings) -> Searcher | None:
-    """The web search backend the settings configure, or None."""
-    if not settings.web_search_backend:
+def searcher_of(settings: Settings, routes: Routes) -> Searcher | None:
+    """The web search backend the settings configure, or None; `ConfigError` if the `mcp` backend's
+    server is not registered."""
+    backend = settings.web_search_backend
+    if not backend:
         return None
+    if backend == "mcp":
+        label, _, tool = settings.web_search_mcp_tool.partition("/")
+        registered = routes.mcp_servers.get(label)
+        if registered is None:
+            raise ConfigError(
+                f"RESPOOL_WEB_SEARCH_MCP_TOOL names '{label}', which respool.toml does not register "
+                "under [mcp_servers]"
+            )
+        return Searcher(backend, max_results=settings.web_search_max_results, server=registered, tool=tool)
     key = settings.web_search_api_key.get_secret_value() if settings.web_search_api_key else ""
-    url = settings.web_search_url or DEFAULT_URLS.get(settings.web_search_backend, "")
-    return Searcher(settings.web_search_backend, url, key, settings.web_search_max_results)
+    url = settings.web_search_url or DEFAULT_URLS.get(backend, "")
+    return Searcher(backend, url, key, settings.web_search_max_results)
 
 
 async def close_runtime(rt: Runtime) -> None:

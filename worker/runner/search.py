@@ -8,23 +8,32 @@ Backends (`RESPOOL_WEB_SEARCH_BACKEND`):
   "include_domains"}` and `Authorization: Bearer <key>` (`RESPOOL_WEB_SEARCH_API_KEY`); results
   `[{url, title, content}]`
 
+- `mcp`: a tool of an MCP server registered in respool.toml (`RESPOOL_WEB_SEARCH_MCP_TOOL=
+  <label>/<tool>`), called with `{"query": ...}`; its text is what the model is told, and the URLs
+  in it are the pages found (to cite, and as sources)
+
 A search that fails (the backend unreachable, an error status, a body not of its shape) is a
 `ToolError` whose message the model is told; the key never appears in one.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
 from worker.errors import ToolError
 from worker.outbound import OutboundPolicy, guard_transport
+from worker.routing import RegisteredServer
+from worker.runner import mcp
 
-BACKENDS = ("searxng", "tavily")
+BACKENDS = ("searxng", "tavily", "mcp")
 DEFAULT_URLS = {"tavily": "https://api.tavily.com"}
+_URL = re.compile(r"https?://[^\s<>\"'()\[\]]+")
 
 
 @dataclass(frozen=True)
@@ -35,16 +44,44 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Found:
+    """What a search found: the pages, and the text the model is told."""
+
+    results: list[Result]
+    text: str
+
+
+@dataclass(frozen=True)
 class Searcher:
     """The configured search backend."""
 
     backend: str  # one of BACKENDS
-    url: str
+    url: str = ""
     api_key: str = ""
     max_results: int = 5
+    server: RegisteredServer | None = None  # the `mcp` backend's server, and its tool
+    tool: str = ""
 
     async def search(
         self, query: str, policy: OutboundPolicy, seconds: float, allowed_domains: list[str] | None = None
+    ) -> Found:
+        if self.server is not None:  # its headers read from the environment now, as for every use
+            server = mcp.Server(self.server.label, self.server.url, self.server.headers())
+            return await self._mcp(server, query, policy, seconds)
+        results = await self._results(query, policy, seconds, allowed_domains)
+        return Found(results, results_text(query, results))
+
+    async def _mcp(self, server: mcp.Server, query: str, policy: OutboundPolicy, seconds: float) -> Found:
+        called = await mcp.call_tool(server, policy, self.tool, {"query": query}, seconds)
+        if called.error is not None or called.output is None:
+            error = called.error or {}
+            reason = error.get("message") or orjson.dumps(error.get("content")).decode()
+            raise ToolError(f"The search tool '{server.label}/{self.tool}' failed: {reason}")
+        urls = list(dict.fromkeys(match.rstrip(".,;:") for match in _URL.findall(called.output)))
+        return Found([Result(url, url, "") for url in urls[: self.max_results * 4]], called.output)
+
+    async def _results(
+        self, query: str, policy: OutboundPolicy, seconds: float, allowed_domains: list[str] | None
     ) -> list[Result]:
         transport = guard_transport(httpx.AsyncHTTPTransport(trust_env=False), policy)
         timeout = httpx.Timeout(seconds, connect=min(seconds, 10.0))

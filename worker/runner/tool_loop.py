@@ -274,10 +274,10 @@ class ToolLoop:
             self.writer.send(output.end_search(out, item, _action(item), is_failed=True))
             await self.writer.settle()
             raise
-        await self._journal(item, search.results_text(query, found), found)
+        await self._journal(item, found.text, found.results)
         action = _action(item)
         if "web_search_call.action.sources" in (self.request.get("include") or []):
-            action["sources"] = [{"type": "url", "url": result.url} for result in found]
+            action["sources"] = [{"type": "url", "url": result.url} for result in found.results]
         self.writer.send(output.end_search(out, item, action))
 
     async def _journal(self, item: output.Item, text: str, found: list[search.Result]) -> None:
