@@ -175,6 +175,11 @@ def test_a_server_that_needs_a_token(
     assert MCP_TOKEN not in client.responses.retrieve(done.id).model_dump_json()
     with client.responses.retrieve(done.id, stream=True) as replay:
         assert all(MCP_TOKEN not in event.model_dump_json() for event in replay)
+    # `authorization` (OpenAI's field for an OAuth access token) is sent as a bearer token alike.
+    by_field = mcp_tool(guarded_server, "locked", authorization=MCP_TOKEN)
+    also = client.responses.create(model=model, input="q", tools=[by_field])  # type: ignore[list-item]
+    assert also.output_text == "The tool said: Sunny in Paris, 21C."
+    assert MCP_TOKEN not in client.responses.retrieve(also.id).model_dump_json()
 
 
 def test_max_tool_calls_ends_the_loop(
