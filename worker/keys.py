@@ -47,11 +47,12 @@ def response_keys(response_id: str) -> list[str]:
     ]
 
 
-def tool_results_key(response_id: str) -> str:
-    """What each web search of a response found, as the model was told it (a hash: item id =>
-    text): the tool loop's journal of results its events do not carry, so a takeover tells the
-    model the same without searching again (DESIGN.md §10). Lives as long as the event stream."""
-    return f"{PREFIX}:{{{response_id}}}:tool_results"
+def journal_key(response_id: str) -> str:
+    """The tool loop's journal of what its event stream does not carry (a hash, DESIGN.md §10): per
+    web search item id, what the model was told it found and the pages (to cite); under `usage`,
+    the usage of the turns run so far. A takeover reads it, so it neither searches again nor loses
+    the finished turns' usage. Lives as long as the event stream."""
+    return f"{PREFIX}:{{{response_id}}}:journal"
 
 
 def secrets_key(response_id: str) -> str:

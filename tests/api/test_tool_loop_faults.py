@@ -105,6 +105,9 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
                 ("message", None, "completed"),
             ]
             assert stored["output"][-1]["content"][0]["text"] == "The tool said: 4"
+            # The usage of every finished turn, the dead attempt's from the journal: three calls of
+            # one token each, and the answer's four words (the turn cut short never reported any).
+            assert stored["usage"]["output_tokens"] == 3 + 4
             # The client's stream went on through the takeover and told what the replay tells.
             replay = list(sdk.responses.retrieve(response_id, stream=True))
             assert [e.model_dump(exclude_unset=True) for e in seen] == [

@@ -71,7 +71,7 @@ def chat_chunks(script: Json, body: Json, envelope: Json, *, is_usage_wanted: bo
     if "chunks" in script:
         return [raw_chat_chunk(envelope, given) for given in script["chunks"]]
     if "tool_loop" in script:
-        return tool_loop_chunks(script["tool_loop"], body, envelope)
+        return tool_loop_chunks(script["tool_loop"], body, envelope, is_usage_wanted=is_usage_wanted)
     turns = conversation(body.get("messages"))
     pieces = text_pieces(script_text(script, turns), int(script.get("words_per_chunk", 1)))
     deltas = [{"role": "assistant", "content": ""}, *({"content": piece} for piece in pieces)]
@@ -108,9 +108,9 @@ def tool_loop_step(spec: Json, offered: list[Json], results: list[str]) -> tuple
     return None, f"The tool said: {results[-1] if results else 'nothing'}"
 
 
-def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
+def tool_loop_chunks(spec: Json, body: Json, envelope: Json, *, is_usage_wanted: bool) -> list[Json]:
     """The tool-loop model (`tool_loop_step`) on Chat Completions. The script's `delay` paces every
-    turn's frames."""
+    turn's frames. Usage: the words of the messages in, one token per call or answer word out."""
     messages = body.get("messages") or []
     results = [str(message.get("content")) for message in messages if message.get("role") == "tool"]
     offered = [tool["function"] for tool in body.get("tools") or []]
@@ -118,14 +118,22 @@ def tool_loop_chunks(spec: Json, body: Json, envelope: Json) -> list[Json]:
     if function is not None:
         call = {"index": 0, "id": f"call_{len(results)}", "type": "function"}
         call["function"] = {"name": function["name"], "arguments": said}
-        return [
+        chunks = [
             chat_chunk(envelope, {"role": "assistant", "content": None, "tool_calls": [call]}),
             chat_chunk(envelope, {}, "tool_calls"),
         ]
-    pieces = text_pieces(said, 1)
-    chunks = [chat_chunk(envelope, {"role": "assistant", "content": ""})]
-    chunks += [chat_chunk(envelope, {"content": piece}) for piece in pieces]
-    return [*chunks, chat_chunk(envelope, {}, "stop")]
+        made = 1
+    else:
+        pieces = text_pieces(said, 1)
+        chunks = [chat_chunk(envelope, {"role": "assistant", "content": ""})]
+        chunks += [chat_chunk(envelope, {"content": piece}) for piece in pieces]
+        chunks.append(chat_chunk(envelope, {}, "stop"))
+        made = len(pieces)
+    if is_usage_wanted:
+        read = count_words(conversation(messages))
+        usage = {"prompt_tokens": read, "completion_tokens": made, "total_tokens": read + made}
+        chunks.append({**envelope, "choices": [], "usage": usage})
+    return chunks
 
 
 def merge_tool_call(calls: dict[int, Json], delta: Json) -> None:

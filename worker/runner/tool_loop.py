@@ -10,8 +10,8 @@ The event stream is the loop's journal. Every step is told as it happens (`mcp_l
 `mcp_call`, `web_search_call`, with OpenAI's events), so a takeover rebuilds the output from it
 (`replay.rebuild`) and continues: a completed call is a result, never run again; what the dead
 attempt left open is closed `incomplete` and its turn runs again (`has_completed_step` says when a
-takeover may resume). What a search found, which no event carries, is journaled beside the stream
-(`keys.tool_results_key`) before the search is told done.
+takeover may resume). What no event carries (what a search found, the usage of the turns so far)
+is journaled beside the stream (`keys.journal_key`) before the step is told done.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from worker.errors import ToolError
 from worker.events.writer import ResponseWriter
-from worker.keys import secrets_key, tool_results_key
+from worker.keys import journal_key, secrets_key
 from worker.outbound import OutboundPolicy
 from worker.protocol import tools
 from worker.routing import Routes
@@ -46,6 +46,7 @@ log = logging.getLogger("respool.tools")
 Turn = Callable[[dict[str, Any], Output, tuple[ServerTool, ...], list[dict[str, Any]]], Awaitable[Outcome]]
 STEP_TYPES = frozenset({"mcp_call", "mcp_list_tools", "web_search_call"})
 _CALL_TYPES = frozenset({"mcp_call", "web_search_call"})  # what max_tool_calls counts
+_USAGE = "usage"  # the journal's entry of the usage so far
 _HANDED_BACK = frozenset({"mcp_approval_request", "function_call", "custom_tool_call"})
 _CANCELLED = {
     "type": "mcp_protocol_error",
@@ -100,17 +101,20 @@ class ToolLoop:
 
     async def run(self, out: Output, turn: Turn) -> Outcome:
         await self._connect()
-        if self.search_spec is not None:
-            journal = await self.redis.hgetall(tool_results_key(self.response_id))
-            for key, value in journal.items():
-                entry = orjson.loads(value)
+        journal = await self.redis.hgetall(journal_key(self.response_id))
+        usage: dict[str, Any] | None = None
+        for key, value in journal.items():
+            entry = orjson.loads(value)
+            if _text(key) == _USAGE:
+                usage = entry
+            else:
                 self.found[_text(key)] = entry["text"]
                 self.pages.update(entry["pages"])
+        if self.search_spec is not None:
             out.cite = self._cite
         offered = await self._list(out)
         await self._run_approved(out)
         limit = self.request.get("max_tool_calls")
-        usage: dict[str, Any] | None = None
         while True:
             made = sum(1 for item in out.items if item.type in _CALL_TYPES and item.status != "in_progress")
             now = offered if limit is None or made < limit else ()
@@ -122,6 +126,8 @@ class ToolLoop:
             usage = _add_usage(usage, outcome.usage)
             if outcome.status != "completed" or not out.pending:
                 return Outcome(outcome.status, outcome.incomplete_details, output.output_items(out), usage)
+            if usage is not None:
+                await self._keep(_USAGE, usage)
             for item in list(out.pending):
                 if limit is not None and made >= limit:
                     message = f"Not run: this response reached its max_tool_calls ({limit})."
@@ -286,9 +292,13 @@ class ToolLoop:
         pages = {result.url: result.title for result in found}
         self.found[item.id] = text
         self.pages.update(pages)
-        key = tool_results_key(self.response_id)
+        await self._keep(item.id, {"text": text, "pages": pages})
+
+    async def _keep(self, field: str, value: dict[str, Any]) -> None:
+        """One entry of the journal (`keys.journal_key`), for as long as the event stream lives."""
+        key = journal_key(self.response_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, item.id, orjson.dumps({"text": text, "pages": pages}))
+            pipe.hset(key, field, orjson.dumps(value))
             pipe.expire(key, self.journal_seconds)
             await pipe.execute()
 
