@@ -124,6 +124,20 @@ def test_the_older_sse_transport(
     assert mcp_server.calls() == {"add": [{"a": 2, "b": 2}]}
 
 
+def test_a_tool_without_parameters(
+    client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
+) -> None:
+    """A tool whose schema has no parameters is called with `{}` (what a real llama.cpp server,
+    forced to call one, sends) and its result reaches the model."""
+    upstream.script(model, {"tool_loop": {"tool": "ping"}})
+    response = client.responses.create(
+        model=model, input="q", tools=[mcp_tool(mcp_server, allowed_tools=["ping"])]
+    )  # type: ignore[list-item]
+    call = response.output[1]
+    assert (call.type, call.arguments, call.output) == ("mcp_call", "{}", "pong")  # type: ignore[union-attr]
+    assert response.output_text == "The tool said: pong"
+
+
 def test_a_failing_tool_is_an_error_the_model_sees(
     client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
 ) -> None:

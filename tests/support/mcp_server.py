@@ -2,6 +2,7 @@
 
 Tools:
     lookup(city)        "Sunny in <city>, 21C." (read-only)
+    ping()              "pong"
     add(a, b)           the sum, as text
     explode(reason)     fails: the call's result is an error naming `reason`
     slow(seconds)       sleeps, then "slept"
@@ -46,6 +47,12 @@ def build_server() -> MCPServer:
         """The weather in a city."""
         CALLS["lookup"].append({"city": city})
         return f"Sunny in {city}, 21C."
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def ping() -> str:
+        """Answers pong (a tool without parameters)."""
+        CALLS["ping"].append({})
+        return "pong"
 
     @server.tool()
     def add(a: int, b: int) -> str:
