@@ -17,11 +17,13 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from openai.types import Model
+from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem
+from openai.types.conversations import ConversationItemList as _SdkConversationItemList
 from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import BaseModel, TypeAdapter
 
-from worker.protocol.request import CreateRequest
+from worker.protocol.request import METADATA_SCHEMA, CreateRequest
 
 _SCHEMAS = "#/components/schemas/"
 _RETRY_AFTER = {
@@ -79,6 +81,13 @@ class ResponseDeleted(BaseModel):
     deleted: Literal[True]
 
 
+class ConversationItemList(_SdkConversationItemList):
+    """A page of a conversation's items; an empty page has no first or last id (null)."""
+
+    first_id: str | None  # type: ignore[assignment]
+    last_id: str | None  # type: ignore[assignment]
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[Model]
@@ -96,6 +105,10 @@ _SHAPES: dict[str, TypeAdapter[Any]] = {
     "InputItemList": TypeAdapter(InputItemList),
     "ResponseDeleted": TypeAdapter(ResponseDeleted),
     "ModelList": TypeAdapter(ModelList),
+    "Conversation": TypeAdapter(Conversation),
+    "ConversationDeleted": TypeAdapter(ConversationDeletedResource),
+    "ConversationItem": TypeAdapter(ConversationItem),
+    "ConversationItemList": TypeAdapter(ConversationItemList),
     "ErrorEnvelope": TypeAdapter(ErrorEnvelope),
     "Status": TypeAdapter(Status),
 }
@@ -116,7 +129,7 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: _error("The request is invalid; `param` names what is wrong."),
     401: _error("The API key is missing or wrong."),
-    404: _error("No such response for this key (or no such model)."),
+    404: _error("No such response, conversation or item for this key (or no such model)."),
     429: _error("Too many requests: come back after `retry-after` seconds.", _RETRY_AFTER),
     503: _error("Redis or Postgres is unreachable: come back after `retry-after` seconds.", _RETRY_AFTER),
 }
@@ -152,6 +165,18 @@ _LINKS = {
 }
 
 
+_CONVERSATION_LINKS = {
+    name: {"operationId": operation, "parameters": {"conversation_id": "$response.body#/id"}}
+    for name, operation in {
+        "RetrieveConversation": "retrieveConversation",
+        "UpdateConversation": "updateConversation",
+        "DeleteConversation": "deleteConversation",
+        "ListConversationItems": "listConversationItems",
+        "CreateConversationItems": "createConversationItems",
+    }.items()
+}
+
+
 def _create_body() -> dict[str, Any]:
     """The create body: `model` and `input` are optional in `CreateRequest` only so that their
     absence is a 400 naming them (PROTOCOL.md §5.6); on the wire both are required."""
@@ -165,6 +190,28 @@ def _create_body() -> dict[str, Any]:
 
 
 CREATE_BODY = _create_body()
+
+# The Conversations API's request bodies (the SDK's params types; worker/protocol/conversations.py
+# enforces them).
+_ITEMS = {"type": "array", "maxItems": 20, "items": {"type": "object"}}
+_METADATA = {"anyOf": [{"type": "object", **METADATA_SCHEMA}, {"type": "null"}]}
+_BODIES: dict[str, dict[str, Any]] = {
+    "ConversationCreate": {
+        "type": "object",
+        "properties": {"items": {"anyOf": [_ITEMS, {"type": "null"}]}, "metadata": _METADATA},
+    },
+    "ConversationUpdate": {"type": "object", "properties": {"metadata": _METADATA}, "required": ["metadata"]},
+    "ConversationItemsCreate": {
+        "type": "object",
+        "properties": {"items": {**_ITEMS, "minItems": 1}},
+        "required": ["items"],
+    },
+}
+
+
+def body(name: str) -> dict[str, Any]:
+    """A route's `openapi_extra` for a JSON body of the shape `name` (the route reads it itself)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _BODIES[name]}}}}
 
 
 def install(app: FastAPI, *, secured: bool) -> None:
@@ -190,6 +237,8 @@ def _finish(document: dict[str, Any], secured: bool) -> dict[str, Any]:
                 operation["security"] = [{"bearer": []}]
             if operation.get("operationId") == "createResponse":
                 operation["responses"]["200"]["links"] = _LINKS
+            if operation.get("operationId") == "createConversation":
+                operation["responses"]["200"]["links"] = _CONVERSATION_LINKS
     components = document.setdefault("components", {})
     components["schemas"] = _shape_schemas()  # FastAPI's own (its 422 shapes) are not answered
     if secured:

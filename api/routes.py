@@ -16,7 +16,9 @@ from api.encoding import JSONAnswer
 from api.errors import committed_error_response
 from api.sse import sse_response, until_disconnected
 from worker.errors import InvalidRequestError, WebSocketNotSupportedError
+from worker.protocol.conversations import CONVERSATION_ID_PATTERN, ITEM_ID_PATTERN
 from worker.protocol.request import RESPONSE_ID_PATTERN, check_no_nul
+from worker.service.conversations import ConversationService
 from worker.service.responses import ResponseService, Stream
 
 Owner = Annotated[str, Depends(owner)]
@@ -165,6 +167,117 @@ async def list_input_items(
     """A page of the response's input items, newest first by default (PROTOCOL.md §5)."""
     page = await _service(request).input_items(owner, response_id, after, limit, order)
     return JSONAnswer(page)
+
+
+# Conversations (PROTOCOL.md §8) ------------------------------------------------------------------
+
+ConversationId = Annotated[str, Path(pattern=CONVERSATION_ID_PATTERN)]
+ItemId = Annotated[str, Path(pattern=ITEM_ID_PATTERN)]
+
+
+def _conversations(request: Request) -> ConversationService:
+    return _service(request).conversations
+
+
+@router.post(
+    "/conversations",
+    operation_id="createConversation",
+    responses=openapi.answers("Conversation", body=True),
+    openapi_extra=openapi.body("ConversationCreate"),
+)
+async def create_conversation(request: Request, owner: Owner) -> Response:
+    return JSONAnswer(await _conversations(request).create(owner, await _json_body(request)))
+
+
+@router.get(
+    "/conversations/{conversation_id}",
+    operation_id="retrieveConversation",
+    responses=openapi.answers("Conversation"),
+)
+async def retrieve_conversation(request: Request, conversation_id: ConversationId, owner: Owner) -> Response:
+    return JSONAnswer(await _conversations(request).retrieve(owner, conversation_id))
+
+
+@router.post(
+    "/conversations/{conversation_id}",
+    operation_id="updateConversation",
+    responses=openapi.answers("Conversation", body=True),
+    openapi_extra=openapi.body("ConversationUpdate"),
+)
+async def update_conversation(request: Request, conversation_id: ConversationId, owner: Owner) -> Response:
+    body = await _json_body(request)
+    return JSONAnswer(await _conversations(request).update(owner, conversation_id, body))
+
+
+@router.delete(
+    "/conversations/{conversation_id}",
+    operation_id="deleteConversation",
+    responses=openapi.answers("ConversationDeleted"),
+)
+async def delete_conversation(request: Request, conversation_id: ConversationId, owner: Owner) -> Response:
+    return JSONAnswer(await _conversations(request).delete(owner, conversation_id))
+
+
+@router.post(
+    "/conversations/{conversation_id}/items",
+    operation_id="createConversationItems",
+    responses=openapi.answers("ConversationItemList", body=True),
+    openapi_extra=openapi.body("ConversationItemsCreate"),
+)
+async def create_conversation_items(
+    request: Request,
+    conversation_id: ConversationId,
+    owner: Owner,
+    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+) -> Response:
+    body = await _json_body(request)
+    return JSONAnswer(await _conversations(request).add_items(owner, conversation_id, body))
+
+
+@router.get(
+    "/conversations/{conversation_id}/items",
+    operation_id="listConversationItems",
+    responses=openapi.answers("ConversationItemList"),
+)
+async def list_conversation_items(
+    request: Request,
+    conversation_id: ConversationId,
+    owner: Owner,
+    after: Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00]*$")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+) -> Response:
+    """A page of the conversation's items, newest first by default."""
+    page = await _conversations(request).list_items(owner, conversation_id, after, limit, order)
+    return JSONAnswer(page)
+
+
+@router.get(
+    "/conversations/{conversation_id}/items/{item_id}",
+    operation_id="retrieveConversationItem",
+    responses=openapi.answers("ConversationItem"),
+)
+async def retrieve_conversation_item(
+    request: Request,
+    conversation_id: ConversationId,
+    item_id: ItemId,
+    owner: Owner,
+    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+) -> Response:
+    return JSONAnswer(await _conversations(request).get_item(owner, conversation_id, item_id))
+
+
+@router.delete(
+    "/conversations/{conversation_id}/items/{item_id}",
+    operation_id="deleteConversationItem",
+    responses=openapi.answers("Conversation"),
+)
+async def delete_conversation_item(
+    request: Request, conversation_id: ConversationId, item_id: ItemId, owner: Owner
+) -> Response:
+    """Delete one item; the answer is the Conversation (as the SDK has it)."""
+    return JSONAnswer(await _conversations(request).delete_item(owner, conversation_id, item_id))
 
 
 # WebSocket routes: the HTTP routes' dependencies take a `Request`, which a WebSocket scope is not.

@@ -136,6 +136,16 @@ class ResponseNotFoundError(NotFoundError):
         super().__init__(f"Response with id '{response_id}' not found.", param="response_id")
 
 
+class ConversationNotFoundError(NotFoundError):
+    def __init__(self, conversation_id: str, param: str = "conversation_id") -> None:
+        super().__init__(f"Conversation with id '{conversation_id}' not found.", param=param)
+
+
+class ConversationItemNotFoundError(NotFoundError):
+    def __init__(self, item_id: str) -> None:
+        super().__init__(f"Item with id '{item_id}' not found.", param="item_id")
+
+
 class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 

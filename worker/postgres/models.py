@@ -1,4 +1,5 @@
-"""The Postgres schema (DESIGN.md §5): one `response` table and its `input_item` rows.
+"""The Postgres schema (DESIGN.md §5, §11): the `response` table and its `input_item` rows; the
+`conversation` table and its `conversation_item` rows.
 
 Alembic (migrations/) builds its migrations from this metadata.
 """
@@ -9,14 +10,17 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     DateTime,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
     String,
     Text,
+    UniqueConstraint,
     func,
     text,
 )
@@ -63,6 +67,9 @@ class ResponseRow(Base):
     # How many responses precede this one through previous_response_id (0: none); bounded by
     # RESPOOL_MAX_CHAIN_DEPTH.
     chain_depth: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # The conversation it runs on, whose items it appends when it ends (no foreign key: deleting the
+    # conversation leaves the response retrievable).
+    conversation_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -90,3 +97,36 @@ class InputItemRow(Base):
     item: Mapped[dict[str, Any]] = mapped_column(JSONB)
 
     __table_args__ = (Index(None, "response_id", "item_id"),)
+
+
+class ConversationRow(Base):
+    """A conversation (DESIGN.md §11): its owner and metadata; its items are `conversation_item` rows."""
+
+    __tablename__ = "conversation"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class ConversationItemRow(Base):
+    """One item of a conversation. `position` comes from one sequence, so items added later (by
+    a later transaction) sort after: responses' items land in the order the responses finish."""
+
+    __tablename__ = "conversation_item"
+
+    position: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    conversation_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("conversation.id", ondelete="CASCADE")
+    )
+    item_id: Mapped[str] = mapped_column(Text)
+    item: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    # The response whose input or output the item was (None: added through the items route).
+    response_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (
+        UniqueConstraint("conversation_id", "item_id"),
+        Index(None, "conversation_id", "position"),
+    )

@@ -27,11 +27,12 @@ CALLS = {"function_call": "function_call_output", "custom_tool_call": "custom_to
 OUTPUTS = frozenset(CALLS.values())
 
 
-def normalize_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's `input` as a list of items, each with `id` and `type`."""
+def normalize_input(value: str | list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
+    """The request's `input` (or a conversation's `items`: `param`) as a list of items, each with
+    `id` and `type`."""
     if isinstance(value, str):
         return [_message("user", value, None, None)]
-    return [_normalize_item(item, f"input[{index}]") for index, item in enumerate(value)]
+    return [_normalize_item(item, f"{param}[{index}]") for index, item in enumerate(value)]
 
 
 def _normalize_item(item: dict[str, Any], param: str) -> dict[str, Any]:

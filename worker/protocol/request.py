@@ -21,7 +21,7 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 # The metadata limits as JSON Schema, for respool's OpenAPI document (the validator below enforces them).
-_METADATA_SCHEMA: dict[str, Any] = {
+METADATA_SCHEMA: dict[str, Any] = {
     "maxProperties": MAX_METADATA_PAIRS,
     "propertyNames": {"maxLength": MAX_METADATA_KEY},
     "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
@@ -49,7 +49,7 @@ class CreateRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     include: list[str] | None = None
-    metadata: Annotated[dict[str, str] | None, Field(json_schema_extra=_METADATA_SCHEMA)] = None
+    metadata: Annotated[dict[str, str] | None, Field(json_schema_extra=METADATA_SCHEMA)] = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -69,16 +69,7 @@ class CreateRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed")
-        for key, item in value.items():
-            if len(key) > MAX_METADATA_KEY:
-                raise ValueError(f"keys are at most {MAX_METADATA_KEY} characters")
-            if len(item) > MAX_METADATA_VALUE:
-                raise ValueError(f"values are at most {MAX_METADATA_VALUE} characters")
-        return value
+        return check_metadata(value)
 
     @property
     def is_background(self) -> bool:
@@ -92,6 +83,21 @@ class CreateRequest(BaseModel):
     @property
     def is_stream(self) -> bool:
         return bool(self.stream)
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """`metadata` within OpenAI's limits (16 pairs, keys of 64 characters, values of 512); else
+    `ValueError` saying which."""
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise ValueError(f"keys are at most {MAX_METADATA_KEY} characters")
+        if len(item) > MAX_METADATA_VALUE:
+            raise ValueError(f"values are at most {MAX_METADATA_VALUE} characters")
+    return value
 
 
 def check_no_nul(body: object, path: list[str | int] | None = None) -> None:

@@ -50,6 +50,7 @@ from worker.queue import delete_job, enqueue, response_queue
 from worker.routing import Route, Routes, load_routes
 from worker.service import chains
 from worker.service.cancellation import Cancellation
+from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
 from worker.service.tailer import TAILER_BLOCK_MS, Tailer
 from worker.settings import Settings
@@ -97,6 +98,7 @@ class ResponseService:
             finishing_seconds=finishing,
         )
         self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
+        self.conversations = ConversationService(engine)
         self.quotas = Quotas(redis, settings)
 
     @classmethod
