@@ -9,6 +9,9 @@ from typing import Any
 import openai
 import pytest
 
+from tests.support.faults import wait_until_ended
+from tests.support.upstream_process import ScriptedUpstream
+
 pytestmark = pytest.mark.integration
 
 
@@ -112,3 +115,63 @@ def test_another_owners_conversation_is_a_404_on_every_route(
             attempt()
     assert [item.id for item in client.conversations.items.list(conversation.id)] == [item_id]
     assert client.conversations.retrieve(conversation.id).metadata == {}
+
+
+def _texts(client: openai.OpenAI, conversation_id: str) -> list[str]:
+    items = client.conversations.items.list(conversation_id, order="asc", limit=100)
+    return [part.text for item in items for part in item.content]  # type: ignore[union-attr]
+
+
+def test_responses_on_a_conversation_see_its_items_and_add_theirs(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """Three turns on one conversation (plain, streamed, background): each upstream request carries
+    every earlier item, each Response names the conversation, and each turn's input and output are
+    appended once, in order."""
+    conversation = client.conversations.create(items=[said("My name is Ada.")])  # type: ignore[list-item]
+    first = client.responses.create(model=model, input="one", conversation=conversation.id)
+    assert first.conversation is not None and first.conversation.id == conversation.id
+    with client.responses.create(
+        model=model, input="two", conversation={"id": conversation.id}, stream=True
+    ) as events:
+        second = [event for event in events][-1].response  # type: ignore[union-attr]
+    third = client.responses.create(model=model, input="three", conversation=conversation.id, background=True)
+    wait_until_ended(client, [third.id], timeout=30)
+    assert client.responses.retrieve(third.id).conversation.id == conversation.id  # type: ignore[union-attr]
+    answer = "Hello from the scripted upstream. You said: "
+    assert _texts(client, conversation.id) == [
+        "My name is Ada.", "one", answer + "one", "two", answer + "two", "three", answer + "three",
+    ]  # fmt: skip
+    sent = [[message["content"] for message in request["messages"]] for request in upstream.requests(model)]
+    assert sent == [
+        ["My name is Ada.", "one"],
+        ["My name is Ada.", "one", answer + "one", "two"],
+        ["My name is Ada.", "one", answer + "one", "two", answer + "two", "three"],
+    ]
+    assert second.output_text == answer + "two"
+
+
+def test_a_failed_response_leaves_its_conversation_as_it_was(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    conversation = client.conversations.create(items=[said("before")])  # type: ignore[list-item]
+    upstream.script(model, {"status": 400, "error": {"message": "no"}})
+    failed = client.responses.create(model=model, input="lost?", conversation=conversation.id)
+    assert failed.status == "failed"
+    assert _texts(client, conversation.id) == ["before"]
+
+
+def test_conversation_errors(client: openai.OpenAI, other_client: openai.OpenAI, model: str) -> None:
+    """With `previous_response_id` a 400; an unknown conversation, or another owner's, a 404 naming it."""
+    conversation = client.conversations.create()
+    earlier = client.responses.create(model=model, input="x")
+    with pytest.raises(openai.BadRequestError) as both:
+        client.responses.create(
+            model=model, input="y", conversation=conversation.id, previous_response_id=earlier.id
+        )
+    assert both.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    for sdk, conversation_id in [(client, "conv_nothere"), (other_client, conversation.id)]:
+        with pytest.raises(openai.NotFoundError) as missing:
+            sdk.responses.create(model=model, input="y", conversation=conversation_id)
+        assert missing.value.body["param"] == "conversation"  # type: ignore[index]
+    assert client.conversations.items.list(conversation.id).data == []

@@ -64,7 +64,18 @@ PROBES = [
     Probe("previous_response_id background", "POST", "/v1/responses", body={**CREATE, "background": True}),
 ]
 # Routes that name no response: the same answer for every owner.
-OWNERLESS = {("GET", "/v1/models")}
+OWNERLESS = {("GET", "/v1/models"), ("POST", "/v1/conversations")}
+# Routes that name a conversation: tests/api/test_conversations.py sends each another owner's id.
+CONVERSATION = "/v1/conversations/{conversation_id}"
+CONVERSATION_ROUTES = {
+    ("GET", CONVERSATION),
+    ("POST", CONVERSATION),
+    ("DELETE", CONVERSATION),
+    ("GET", CONVERSATION + "/items"),
+    ("POST", CONVERSATION + "/items"),
+    ("GET", CONVERSATION + "/items/{item_id}"),
+    ("DELETE", CONVERSATION + "/items/{item_id}"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +104,9 @@ def test_every_route_is_probed(stack: Stack) -> None:
         if isinstance(route, APIRoute)
         for method in route.methods
     }
-    assert listed | held == {(probe.method, probe.route) for probe in PROBES} | OWNERLESS
+    assert (
+        listed | held == {(probe.method, probe.route) for probe in PROBES} | OWNERLESS | CONVERSATION_ROUTES
+    )
 
 
 def _seen(answer: httpx.Response, response_id: str) -> tuple[int, dict[str, str], str]:
@@ -162,7 +175,7 @@ BAD_BODIES = [
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
     ({"model": "m", "input": "x", "tools": [{"type": "web_surf"}]}, "tools[0].type", None),
     ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type", None),
-    ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+    ({"model": "m", "input": "x", "conversation": {"name": "c"}}, "conversation", "invalid_value"),
     (
         {"model": "m", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
         "input[0]",

@@ -103,6 +103,18 @@ async def add_items(
     return int((await conn.execute(statement)).rowcount)
 
 
+async def append_response(
+    conn: AsyncConnection, conversation_id: str, response_id: str, items: list[dict[str, Any]]
+) -> int:
+    """A finished response's items, appended to its conversation in the caller's transaction (the
+    one that records its end): once, whatever retries (ids are unique per conversation); nothing if
+    the conversation was deleted (its row is held meanwhile, so a delete waits for the commit)."""
+    held = select(ConversationRow.id).where(ConversationRow.id == conversation_id).with_for_update(read=True)
+    if (await conn.execute(held)).scalar_one_or_none() is None:
+        return 0
+    return await add_items(conn, conversation_id, items, response_id)
+
+
 async def all_items(conn: AsyncConnection, conversation_id: str) -> list[dict[str, Any]]:
     """Every item, oldest first: what a response on the conversation is given before its input."""
     query = (

@@ -74,6 +74,7 @@ class StoredResponse:
     response: dict[str, Any]
     attempt: int
     chain_depth: int
+    conversation_id: str | None = None  # the Conversation it appends its items to when it ends
 
 
 _COLUMNS = (
@@ -88,6 +89,7 @@ _COLUMNS = (
     ResponseRow.response,
     ResponseRow.attempt,
     ResponseRow.chain_depth,
+    ResponseRow.conversation_id,
 )
 
 
@@ -105,6 +107,7 @@ _NEW_ROW = (
     "conversation",
     "response",
     "chain_depth",
+    "conversation_id",
 )
 _CREATED = (
     insert(ResponseRow)
@@ -163,6 +166,7 @@ def new_row(
     response: dict[str, Any],
     conversation: list[dict[str, Any]],
     chain_depth: int,
+    conversation_id: str | None = None,
 ) -> dict[str, Any]:
     """The columns of a new response row (`_NEW_ROW`), for `insert_response`."""
     return {
@@ -178,6 +182,7 @@ def new_row(
         "conversation": conversation,
         "response": response,
         "chain_depth": chain_depth,
+        "conversation_id": conversation_id,
     }
 
 
@@ -286,6 +291,16 @@ async def list_input_items(
     position = InputItemRow.position.asc() if order == "asc" else InputItemRow.position.desc()
     rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
     return [dict(item) for item in rows[:limit]], len(rows) > limit
+
+
+async def own_input_items(conn: AsyncConnection, response_id: str) -> list[dict[str, Any]]:
+    """The response's own input items (not the earlier turns it ran on), in order."""
+    query = (
+        select(InputItemRow.item)
+        .where(InputItemRow.response_id == response_id)
+        .order_by(InputItemRow.position)
+    )
+    return [dict(item) for item in (await conn.execute(query)).scalars()]
 
 
 async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int) -> bool:

@@ -160,15 +160,10 @@ def _check_combinations(request: CreateRequest) -> None:
             "Background responses must be stored: 'background' requires 'store' to be true.",
             param="background",
         )
-    if request.conversation is not None:
-        if request.previous_response_id is not None:
-            raise InvalidRequestError(
-                "'previous_response_id' cannot be used together with 'conversation'.",
-                param="previous_response_id",
-            )
-        raise UnsupportedParameterError(
-            "Conversations are not supported by this server; use 'previous_response_id'.",
-            param="conversation",
+    if request.conversation is not None and request.previous_response_id is not None:
+        raise InvalidRequestError(
+            "'previous_response_id' cannot be used together with 'conversation'.",
+            param="previous_response_id",
         )
     if request.prompt is not None:
         raise UnsupportedParameterError("Prompt templates are not supported by this server.", param="prompt")

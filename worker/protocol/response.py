@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from worker.protocol.conversations import conversation_id
 from worker.protocol.request import CreateRequest
 
 
@@ -24,6 +25,9 @@ class Status(StrEnum):
 LIVE = (Status.QUEUED, Status.IN_PROGRESS)
 TERMINAL = (Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED)
 TERMINAL_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete"})
+# The ends after which a response's input and output join its conversation (DESIGN.md §11): a
+# turn that happened; a failed or cancelled one leaves the conversation as it was, to be retried.
+APPENDED = frozenset({Status.COMPLETED, Status.INCOMPLETE})
 
 
 def build_response(
@@ -46,6 +50,9 @@ def build_response(
         "output": [],  # PROTOCOL.md §0.6: always a list
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
+        "conversation": None
+        if request.conversation is None
+        else {"id": conversation_id(request.conversation)},
         "prompt_cache_key": request.prompt_cache_key,
         "reasoning": request.reasoning,
         "safety_identifier": request.safety_identifier,

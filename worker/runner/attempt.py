@@ -33,8 +33,8 @@ from worker.events.stream import (
 )
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
-from worker.postgres import store
-from worker.protocol.response import TERMINAL, Status, failed, finished
+from worker.postgres import conversations, store
+from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
 from worker.runner import tool_loop
 from worker.runner.metrics import WorkerMetrics
@@ -407,11 +407,25 @@ async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:
 async def _record_final(
     rt: Runtime, stored: store.StoredResponse, attempt: int, final: dict[str, Any]
 ) -> bool:
-    """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing."""
-    async with rt.autocommit.connect() as conn:
+    """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing. A
+    response on a conversation appends its input and output items to it in the same transaction
+    (DESIGN.md §11), when it completed or ended incomplete: exactly once, whatever died on the way."""
+    if stored.conversation_id is None:
+        async with rt.autocommit.connect() as conn:
+            if stored.store:
+                return await store.mark_finished(conn, stored.id, attempt, final)
+            return await store.delete_finished(conn, stored.id, attempt)
+    async with rt.engine.begin() as conn:
+        own = await store.own_input_items(conn, stored.id)
         if stored.store:
-            return await store.mark_finished(conn, stored.id, attempt, final)
-        return await store.delete_finished(conn, stored.id, attempt)
+            ended = await store.mark_finished(conn, stored.id, attempt, final)
+        else:
+            ended = await store.delete_finished(conn, stored.id, attempt)
+        if ended and final["status"] in APPENDED:
+            await conversations.append_response(
+                conn, stored.conversation_id, stored.id, own + list(final.get("output") or [])
+            )
+        return ended
 
 
 async def end_response(rt: Runtime, response_id: str, message: str) -> bool:

@@ -20,11 +20,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from rq import Queue
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import logs
 from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
+    ConversationNotFoundError,
     InvalidRequestError,
     OutboundRefusedError,
     OverloadedError,
@@ -41,8 +42,9 @@ from worker.ids import new_id
 from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
-from worker.postgres import store
+from worker.postgres import conversations, store
 from worker.protocol import tools
+from worker.protocol.conversations import conversation_id
 from worker.protocol.items import check_tool_outputs, normalize_input
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
@@ -171,18 +173,40 @@ class ResponseService:
                 history = await chains.history(
                     conn, owner, request.previous_response_id, self.settings.max_chain_depth
                 )
+                on = None if request.conversation is None else conversation_id(request.conversation)
+                if on is not None:  # DESIGN.md §11: its items come before the input
+                    history = await self._conversation_history(conn, owner, on, route, request)
                 conversation = history.items + own_items
                 check_tool_outputs(conversation, len(history.items))
                 # Its items were checked for the kind of upstream its model had; another kind checks them.
                 if history.items and self.routes.native_for(history.model) != route.is_native:
                     _check_translatable(route, request, history.items)
-                row = store.new_row(owner, request, response, conversation, history.depth)
+                row = store.new_row(owner, request, response, conversation, history.depth, on)
                 await redis_answers
                 await store.insert_response(conn, row, own_items)
         finally:
             _discard(redis_answers)
         await self._enqueue(request, response, secrets)
         return response
+
+    async def _conversation_history(
+        self, conn: AsyncConnection, owner: str, on: str, route: Route, request: CreateRequest
+    ) -> chains.History:
+        """A conversation's items, as the turns a response on it runs after (checked for its model's
+        upstream: they were added through the items routes, which no model checked); a 404 naming
+        `conversation` if the owner has none such."""
+        if await conversations.get(conn, on, owner) is None:
+            raise ConversationNotFoundError(on, param="conversation")
+        items = await conversations.all_items(conn, on)
+        if len(items) > self.settings.max_input_items:
+            raise InvalidRequestError(
+                f"Conversation '{on}' holds {len(items):,} items; this server runs at most "
+                f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS). Start a "
+                "new conversation, passing what matters as input.",
+                param="conversation",
+            )
+        _check_translatable(route, request, items)
+        return chains.History(items, 0, None)
 
     def _tool_secrets(self, request: CreateRequest) -> tuple[CreateRequest, bytes | None]:
         """The request with its `mcp` tools checked (a 400 names what is wrong; a URL that names a

@@ -32,7 +32,6 @@ _RENAMED = (
 # key is translated, respool's own business, or unknown and ignored (PROTOCOL.md §10).
 _REFUSED = {
     "prompt": "Prompt templates are not supported by this server.",
-    "conversation": "Conversations are not supported by this server; use 'previous_response_id'.",
     "moderation": "Moderation is not supported by this server.",
 }
 

@@ -7,7 +7,7 @@ events are read for what the model said, never relayed as they are: the output i
 events add up to. Lifecycle events and sequence numbers are the caller's. Pure: no I/O.
 
 Request rules:
-- fields respool handles itself (`background`, `store`, `previous_response_id`, `stream`,
+- fields respool handles itself (`background`, `store`, `previous_response_id`, `conversation`, `stream`,
   `stream_options`, `metadata`) => not forwarded; `store: false`, `stream: true` always sent
 - conversation items => `input`, without respool's item ids and statuses (a `store: false`
   upstream cannot resolve them), except reasoning items, which the upstream reads whole
@@ -64,6 +64,7 @@ _NOT_FORWARDED = {
     "background",
     "store",
     "previous_response_id",
+    "conversation",
     "stream",
     "stream_options",
     "metadata",

@@ -30,7 +30,7 @@ BASE = {"model": "m", "input": "hi"}
         ({"metadata": {"k": 1}}, InvalidRequestError, "metadata.k"),
         ({"truncation": "sometimes"}, InvalidRequestError, "truncation"),
         ({"background": True, "store": False}, UnsupportedParameterError, "background"),
-        ({"conversation": {"id": "conv_1"}}, UnsupportedParameterError, "conversation"),
+        ({"conversation": 7}, InvalidRequestError, "conversation"),
         (
             {"conversation": "conv_1", "previous_response_id": "resp_1"},
             InvalidRequestError,

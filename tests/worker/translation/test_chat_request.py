@@ -399,7 +399,6 @@ PARAMETER_ERRORS = [
     ("schemaless", {"text": {"format": {"type": "json_schema", "name": "a"}}}, M, "text.format.schema"),
     ("reasoning-mode", {"reasoning": {"mode": "pro"}}, U, "reasoning.mode"),
     ("prompt", {"prompt": {"id": "pmpt_1"}}, U, "prompt"),
-    ("conversation", {"conversation": "conv_1"}, U, "conversation"),
     ("moderation", {"moderation": {"model": "omni-moderation-latest"}}, U, "moderation"),
 ]
 
