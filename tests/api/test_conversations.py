@@ -175,3 +175,24 @@ def test_conversation_errors(client: openai.OpenAI, other_client: openai.OpenAI,
             sdk.responses.create(model=model, input="y", conversation=conversation_id)
         assert missing.value.body["param"] == "conversation"  # type: ignore[index]
     assert client.conversations.items.list(conversation.id).data == []
+
+
+def test_two_responses_at_once_see_what_was_there_and_land_in_finishing_order(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """A slow response and then a quick one on one conversation: each is sent only the items present
+    when it was created; the quick one's items land first, the slow one's after."""
+    slow, quick = f"{model}-slow", f"{model}-quick"
+    upstream.script(slow, {"text": "slow answer", "delay": 0.5})
+    upstream.script(quick, {"text": "quick answer"})
+    conversation = client.conversations.create(items=[said("start")])  # type: ignore[list-item]
+    first = client.responses.create(model=slow, input="slow?", conversation=conversation.id, background=True)
+    upstream.stats(until_active=1, timeout=30)  # the slow one is running
+    second = client.responses.create(
+        model=quick, input="quick?", conversation=conversation.id, background=True
+    )
+    wait_until_ended(client, [first.id, second.id], timeout=60)
+    assert _texts(client, conversation.id) == ["start", "quick?", "quick answer", "slow?", "slow answer"]
+    for name, asked in [(slow, "slow?"), (quick, "quick?")]:
+        (request,) = upstream.requests(name)
+        assert [message["content"] for message in request["messages"]] == ["start", asked]

@@ -240,3 +240,33 @@ def test_a_response_whose_workers_keep_dying_is_given_up(lab: Lab) -> None:
     assert wait_until_ended(lab.sdk, created, timeout=90) == {created[0]: "failed"}
     stored = check_ended(lab.sdk, created[0])
     assert stored["error"]["message"] == GIVEN_UP
+
+
+def test_a_conversation_gets_each_response_once_whatever_dies(lab: Lab) -> None:
+    """Responses on a conversation whose worker is killed -9 mid-output run again on another and
+    complete: the conversation holds each one's input and output exactly once (DESIGN.md §11)."""
+    conversation = lab.sdk.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "start"}]  # type: ignore[list-item]
+    )
+    talking = f"{lab.model}-conversation"
+    text = " ".join(f"w{n}" for n in range(30))
+    lab.upstream.script(talking, {"text": text, "delay": 0.1})
+    doomed = lab.start("doomed")
+    created = [
+        lab.sdk.responses.create(
+            model=talking, input=f"q{n}", conversation=conversation.id, background=True
+        ).id
+        for n in range(5)
+    ]
+    lab.held_by(created, doomed)
+    lab.streamed(created)
+    lab.start("survivor")
+    signal_process(lab.stack, "doomed", KILL)
+    statuses = wait_until_ended(lab.sdk, created, timeout=120)
+    assert set(statuses.values()) == {"completed"}  # nobody saw their output: each ran again
+    items = list(lab.sdk.conversations.items.list(conversation.id, order="asc", limit=100))
+    texts = [part.text for item in items for part in item.content]  # type: ignore[union-attr]
+    assert len({item.id for item in items}) == len(items) == 1 + 2 * len(created)
+    assert sorted(texts[1:]) == sorted([f"q{n}" for n in range(5)] + [text] * 5)
+    for response_id in created:
+        check_ended(lab.sdk, response_id)
