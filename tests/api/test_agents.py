@@ -81,3 +81,34 @@ async def test_agent_function_tool_round_trip(
     assert first["tools"][0]["function"]["name"] == "get_weather"
     tool_message = next(m for m in second["messages"] if m["role"] == "tool")
     assert (tool_message["tool_call_id"], tool_message["content"]) == ("call_w1", "It is sunny in Paris.")
+
+
+async def test_an_agent_keeps_its_state_in_a_conversation(
+    async_client: openai.AsyncOpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """Two runs of an agent with `conversation_id`: the SDK sends only each turn's new items, and
+    respool's conversation holds the rest: the tool call and its output of the first run, and the
+    whole first run when the second starts."""
+    conversation = await async_client.conversations.create()
+    upstream.script(
+        model,
+        {"chunks": TOOL_CALL, "times": 1, "then": {"text": "Sunny in Paris today."}},
+    )
+    agent = _agent(model, async_client)
+    first = await Runner.run(agent, "What is the weather in Paris?", conversation_id=conversation.id)
+    assert first.final_output == "Sunny in Paris today."
+    upstream.script(model, {"text": "Tomorrow too."})
+    second = await Runner.run(agent, "And tomorrow?", conversation_id=conversation.id)
+    assert second.final_output == "Tomorrow too."
+    last = upstream.requests(model)[-1]["messages"]
+    assert [message["role"] for message in last] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert last[3]["content"] == "It is sunny in Paris." and last[-1]["content"] == "And tomorrow?"
+    kinds = [item.type async for item in async_client.conversations.items.list(conversation.id, order="asc")]
+    assert kinds == ["message", "function_call", "function_call_output", "message", "message", "message"]
