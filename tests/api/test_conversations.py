@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.support.faults import wait_until_ended
+from tests.support.tool_servers import McpServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = pytest.mark.integration
@@ -196,3 +197,39 @@ def test_two_responses_at_once_see_what_was_there_and_land_in_finishing_order(
     for name, asked in [(slow, "slow?"), (quick, "quick?")]:
         (request,) = upstream.requests(name)
         assert [message["content"] for message in request["messages"]] == ["start", asked]
+
+
+def test_the_tool_loops_items_join_the_conversation(
+    client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
+) -> None:
+    """A turn that ran an MCP tool appends its listing, its call and the answer; the next turn is
+    given the call and its result, and reuses the listing (the server is not listed again)."""
+    tool = {"type": "mcp", "server_label": "tools", "server_url": mcp_server.url, "require_approval": "never"}
+    upstream.script(model, {"tool_loop": {"tool": "lookup"}})
+    conversation = client.conversations.create()
+    client.responses.create(model=model, input="weather?", conversation=conversation.id, tools=[tool])  # type: ignore[list-item]
+    kinds = [item.type for item in client.conversations.items.list(conversation.id, order="asc")]
+    assert kinds == ["message", "mcp_list_tools", "mcp_call", "message"]
+    upstream.script(model, {"tool_loop": {"tool": "lookup", "steps": 2}})  # one more call, then answer
+    again = client.responses.create(model=model, input="and now?", conversation=conversation.id, tools=[tool])  # type: ignore[list-item]
+    assert [item.type for item in again.output] == ["mcp_call", "message"]  # no second listing
+    history = upstream.requests(model)[2]["messages"]
+    assert history[2]["role"] == "tool" and history[2]["content"] == "Sunny in Paris, 21C."
+
+
+def test_store_false_on_a_conversation_keeps_the_turn_in_the_conversation_only(
+    client: openai.OpenAI, model: str
+) -> None:
+    """`store: false` keeps no Response to retrieve, but the turn still joins the conversation (its
+    items are the conversation's, which has no expiry: OpenAI's conversation-state guide)."""
+    conversation = client.conversations.create()
+    unstored = client.responses.create(
+        model=model, input="off the record", conversation=conversation.id, store=False
+    )
+    assert unstored.status == "completed" and unstored.conversation.id == conversation.id  # type: ignore[union-attr]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    assert _texts(client, conversation.id) == [
+        "off the record",
+        "Hello from the scripted upstream. You said: off the record",
+    ]
