@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from openai.types import Model
 from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem
 from openai.types.conversations import ConversationItemList as _SdkConversationItemList
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import InputTokenCountResponse, Response, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import BaseModel, TypeAdapter
 
@@ -105,6 +105,7 @@ _SHAPES: dict[str, TypeAdapter[Any]] = {
     "InputItemList": TypeAdapter(InputItemList),
     "ResponseDeleted": TypeAdapter(ResponseDeleted),
     "ModelList": TypeAdapter(ModelList),
+    "InputTokenCount": TypeAdapter(InputTokenCountResponse),
     "Conversation": TypeAdapter(Conversation),
     "ConversationDeleted": TypeAdapter(ConversationDeletedResource),
     "ConversationItem": TypeAdapter(ConversationItem),
@@ -190,6 +191,19 @@ def _create_body() -> dict[str, Any]:
 
 
 CREATE_BODY = _create_body()
+
+
+def _input_tokens_body() -> dict[str, Any]:
+    """A count's body: a create's, with `model` required and `input` optional."""
+    schema = CreateRequest.model_json_schema(mode="validation")
+    schema["properties"]["model"]["anyOf"] = [
+        option for option in schema["properties"]["model"]["anyOf"] if option.get("type") != "null"
+    ]
+    schema["required"] = ["model"]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+INPUT_TOKENS_BODY = _input_tokens_body()
 
 # The Conversations API's request bodies (the SDK's params types; worker/protocol/conversations.py
 # enforces them).

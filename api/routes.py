@@ -31,8 +31,8 @@ MAX_SEQUENCE_NUMBER = 2**53 - 1
 
 class _ResponseIdSegment(StringConvertor):
     """A path segment that may be a response id: any but OpenAI's own `/responses/compact` and
-    `/responses/input_tokens`, which respool does not serve and which are never taken for ids (those
-    paths are unknown routes, 404, like any other)."""
+    `/responses/input_tokens`, which are never taken for ids (the second is a route of its own; the
+    first, not served yet, is an unknown route, 404, like any other)."""
 
     regex = r"(?!(?:compact|input_tokens)(?:/|$))[^/]+"
 
@@ -110,6 +110,19 @@ def _relay(
         on_disconnect=on_disconnect,
         on_close=None if stream.slot is None else lambda: service.quotas.close_stream(stream.slot),
     )
+
+
+@router.post(
+    "/responses/input_tokens",
+    operation_id="countInputTokens",
+    responses=openapi.answers("InputTokenCount", body=True),
+    openapi_extra=openapi.INPUT_TOKENS_BODY,
+)
+async def count_input_tokens(request: Request, owner: Owner) -> Response:
+    """How many tokens a create's input would be (the upstream's tokenizer, else an estimate: the
+    `x-respool-token-count` header says which)."""
+    counted, how = await _service(request).input_tokens(owner, await _json_body(request))
+    return JSONAnswer(counted, headers={"x-respool-token-count": how})
 
 
 @router.get(

@@ -190,6 +190,7 @@ def test_the_openapi_document_covers_every_route(limited: Stack) -> None:
     served = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     assert served == {
         ("POST", "/v1/responses"),
+        ("POST", "/v1/responses/input_tokens"),
         ("GET", "/v1/responses/{response_id}"),
         ("DELETE", "/v1/responses/{response_id}"),
         ("POST", "/v1/responses/{response_id}/cancel"),

@@ -5,6 +5,8 @@ Owns the fake "upstream" that respool workers call. It speaks Chat Completions
 (`POST /v1/responses`, for native upstreams), answers from per-model scripts, records every
 request and counts open streams. Control routes, which no OpenAI API has:
 
+    POST /tokenize   vLLM's tokenizer route: {model, messages} => {count, ...}, a token per word
+                     and one per message (a model scripted `tokenize: false` answers 404)
     POST /_script    {"model": m, "script": {...}}   model m follows the script from now on
     GET  /_requests  ?model=m                         bodies received, in order, plus "path", "headers"
     POST /_reset                                      forgets scripts, records and counters
@@ -67,6 +69,8 @@ from tests.support.upstream_frames import (
     Json,
     assemble_completion,
     chat_chunks,
+    conversation,
+    count_words,
     encode,
     response_events,
 )
@@ -335,6 +339,24 @@ async def responses(request: Request) -> Response:
     return await answer(request, script, body, frames, events[-1].get("response", {}) if events else {})
 
 
+@refusing_bad_bodies
+async def tokenize(request: Request) -> Response:
+    """vLLM's `/tokenize` (beside `/v1`): `{model, messages}` or `{model, prompt}` => `{count,
+    max_model_len, tokens}`, a token per word of the messages' text and one per message (its role);
+    a model scripted `tokenize: false` answers 404, as a server without the route does."""
+    script, body = await read_script_and_body(request, {"model": str})
+    if script.get("tokenize") is False:
+        return JSONResponse({"detail": "Not Found"}, 404)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        count = count_words(conversation(messages)) + len(messages)
+    else:
+        count = len(str(body.get("prompt") or "").split())
+    return JSONResponse(
+        {"count": count, "max_model_len": 4096, "tokens": list(range(count)), "token_strs": None}
+    )
+
+
 async def list_models(request: Request) -> Response:
     names = sorted({*upstream_state(request).scripts, DEFAULT_MODEL})
     models = [{"id": name, "object": "model", "created": 0, "owned_by": "scripted"} for name in names]
@@ -376,6 +398,7 @@ def create_app(state: UpstreamState) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/_script", register_script, methods=["POST"]),
             Route("/_requests", recorded_requests, methods=["GET"]),

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpx
 import orjson
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
@@ -50,13 +51,13 @@ from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
 from worker.queue import delete_job, enqueue, response_queue
 from worker.routing import Route, Routes, load_routes
-from worker.service import chains
+from worker.service import chains, token_count
 from worker.service.cancellation import Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
 from worker.service.tailer import TAILER_BLOCK_MS, Tailer
 from worker.settings import Settings
-from worker.translation import chat_request
+from worker.translation import chat_request, native
 
 log = logging.getLogger("respool.service")
 
@@ -101,6 +102,7 @@ class ResponseService:
         )
         self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
         self.conversations = ConversationService(engine)
+        self.http = httpx.AsyncClient(trust_env=False)  # to upstreams' tokenizers
         self.quotas = Quotas(redis, settings)
 
     @classmethod
@@ -121,6 +123,7 @@ class ResponseService:
         await self.quotas.stop()
         await self.tailer.stop()
         await self.engine.dispose()
+        await self.http.aclose()
         await self.redis.aclose()
         self.queue.connection.close()
 
@@ -293,6 +296,34 @@ class ResponseService:
             log.error("response %s: could not mark the unqueued response failed", response["id"])
 
     # Read ------------------------------------------------------------------------------------
+
+    async def input_tokens(self, owner: str, body: object) -> tuple[dict[str, Any], str]:
+        """`POST /responses/input_tokens`: how many tokens the input of a create with this body would
+        be, counted as `token_count` says; and how it was counted."""
+        given = dict(body) if isinstance(body, dict) else body
+        if isinstance(given, dict):
+            given.setdefault("input", [])
+        request = parse_create_request(given)
+        assert request.model is not None and request.input is not None
+        route = self.routes.resolve(request.model)
+        own_items = normalize_input(request.input)
+        async with self.autocommit.connect() as conn:
+            history = await chains.history(
+                conn, owner, request.previous_response_id, self.settings.max_chain_depth
+            )
+            if request.conversation is not None:
+                on = conversation_id(request.conversation)
+                history = await self._conversation_history(conn, owner, on, route, request)
+        items = history.items + own_items
+        _check_translatable(route, request, items)
+        plain = request.model_dump(exclude_unset=True)
+        model = route.upstream_model or route.model
+        if route.is_native:
+            sent = native.to_responses_request(plain, items, model)
+        else:
+            sent = chat_request.to_chat_request(plain, items, model)
+        counted, how = await token_count.count(self.http, route, sent)
+        return {"object": "response.input_tokens", "input_tokens": counted}, how
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
         """The Response as it stands (PROTOCOL.md §6.3 polling)."""
