@@ -29,6 +29,8 @@ A script is a JSON object; every key is optional:
     reset: true                answer nothing: cut the TCP connection with a reset (RST)
     times, then                only the first `times` requests follow this script, later ones `then`
     hang: true                 send the response headers, then nothing until the client goes away
+    context_words: N           answer vLLM's 400 "maximum context length" when the messages (or the
+                               input) hold more than N words
     drop_after: K              cut the connection after K SSE frames, without a final chunk
 
 Unscripted models echo: "Hello from the scripted upstream. You said: <last user text>".
@@ -250,12 +252,28 @@ async def answer(request: Request, script: Json, body: Json, frames: list[bytes]
         return ResetConnection(state)
     if "status" in script:
         return error_response(script)
+    if (
+        "context_words" in script
+        and count_words(conversation(body.get("messages") or body.get("input"))) > script["context_words"]
+    ):
+        return context_overflow(script, body)
     if is_stream or pacing.is_hang:
         media_type = "text/event-stream" if is_stream else "application/json"
         return PacedStream(frames, pacing, state, media_type)
     with state.open_stream():
         await asyncio.sleep(pacing.first_delay + pacing.delay * len(frames))
     return JSONResponse(final)
+
+
+def context_overflow(script: Json, body: Json) -> JSONResponse:
+    """vLLM's 400 for an input longer than the model's context (here: `context_words` words)."""
+    asked = count_words(conversation(body.get("messages") or body.get("input")))
+    message = (
+        f"This model's maximum context length is {script['context_words']} tokens. However, you requested "
+        f"{asked} tokens in the messages. Please reduce the length of the messages."
+    )
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    return JSONResponse({"object": "error", **error}, status_code=400)
 
 
 def upstream_state(request: Request) -> UpstreamState:

@@ -121,3 +121,20 @@ def check_tool_outputs(items: list[dict[str, Any]], first_new: int) -> None:
             raise ToolOutputMissingError(next(iter(pending)))
     if pending:
         raise ToolOutputMissingError(next(iter(pending)))
+
+
+def drop_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`truncation: "auto"`: the conversation without its oldest turn (everything before its second
+    user message, system and developer messages kept where they are), so that calls and their
+    outputs go together; None when one turn is all there is."""
+    users = [n for n, item in enumerate(items) if _role(item) == "user"]
+    if len(users) < 2:
+        return None
+    return [item for n, item in enumerate(items) if n >= users[1] or _role(item) in ("system", "developer")]
+
+
+def _role(item: dict[str, Any]) -> str | None:
+    if (item.get("type") or "message") != "message":
+        return None
+    role = item.get("role")
+    return role if isinstance(role, str) else None

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from functools import partial
@@ -34,6 +35,7 @@ from worker.events.stream import (
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
+from worker.protocol import items
 from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
 from worker.runner import tool_loop
@@ -240,6 +242,8 @@ async def _generate(
     route = rt.routes.resolve(stored.request["model"])
     model = route.upstream_model or route.model
     turn = _native_turn if route.api is UpstreamApi.RESPONSES else _chat_turn
+    if stored.request.get("truncation") == "auto":
+        turn = partial(_truncating, turn)
     if tool_loop.uses_tools(stored.request, rt.searcher is not None):
         loop = tool_loop.ToolLoop(
             writer=writer,
@@ -255,6 +259,45 @@ async def _generate(
         )
         return await loop.run(resumed or output.Output(), partial(turn, rt, writer, route, model))
     return await turn(rt, writer, route, model, stored.request, output.Output(), (), stored.conversation)
+
+
+# What upstreams say when the input is longer than the model's context: vLLM and OpenAI ("maximum
+# context length", `context_length_exceeded`), llama.cpp ("exceeds the available context size"),
+# SGLang and others ("is longer than the model's context length", "too many tokens").
+_OVERFLOW = re.compile(r"context.length|context.size|context window|too many tokens|prompt is too long", re.I)
+
+
+async def _truncating(
+    turn: Callable[..., Awaitable[chat_stream.Outcome]],
+    rt: Runtime,
+    writer: ResponseWriter,
+    route: Route,
+    model: str,
+    request: dict[str, Any],
+    out: output.Output,
+    server_tools: tuple[ServerTool, ...],
+    conversation: list[dict[str, Any]],
+) -> chat_stream.Outcome:
+    """`truncation: "auto"` (PROTOCOL.md §2): while the upstream refuses the input as longer than
+    the model's context, before any output, the oldest turn is dropped and the turn asked again."""
+    while True:
+        told = len(out.items)
+        try:
+            return await turn(rt, writer, route, model, request, out, server_tools, conversation)
+        except MidStreamError as exc:
+            shorter = items.drop_oldest_turn(conversation)
+            if (
+                len(out.items) != told
+                or exc.status != 400
+                or not _OVERFLOW.search(exc.message)
+                or shorter is None
+            ):
+                raise
+            log.info(
+                "response %s: the input is longer than the model's context; dropping its oldest turn",
+                writer.lease.response_id,
+            )
+            conversation = shorter
 
 
 async def _native_turn(
