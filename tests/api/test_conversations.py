@@ -233,3 +233,19 @@ def test_store_false_on_a_conversation_keeps_the_turn_in_the_conversation_only(
         "off the record",
         "Hello from the scripted upstream. You said: off the record",
     ]
+
+
+def test_a_cancelled_response_leaves_its_conversation_as_it_was(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """A background response on a conversation, cancelled mid-output: the conversation keeps only what
+    it had (a cancelled turn did not happen, like a failed one)."""
+    upstream.script(model, {"text": " ".join(f"w{n}" for n in range(100)), "delay": 0.2})
+    conversation = client.conversations.create(items=[said("before")])  # type: ignore[list-item]
+    running = client.responses.create(
+        model=model, input="stop me", conversation=conversation.id, background=True
+    )
+    upstream.stats(until_active=1, timeout=30)
+    assert client.responses.cancel(running.id).status == "cancelled"
+    wait_until_ended(client, [running.id], timeout=30)
+    assert _texts(client, conversation.id) == ["before"]
