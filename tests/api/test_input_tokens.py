@@ -52,3 +52,17 @@ def test_a_count_needs_a_model(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.input_tokens.count(input="x")
     assert refused.value.body["param"] == "model"  # type: ignore[index]
+
+
+def test_a_llama_server_renders_then_tokenizes(
+    client: openai.OpenAI, upstream: ScriptedUpstream, model: str
+) -> None:
+    """llama-server's `/tokenize` takes text only: respool renders the messages through its
+    `/apply-template`, then counts the prompt's tokens."""
+    upstream.script(model, {"tokenize": "llama.cpp"})
+    counted = client.responses.input_tokens.with_raw_response.count(model=model, input="three little words")
+    assert counted.headers["x-respool-token-count"] == "tokenizer"
+    # "<|im_start|>user\nthree little words<|im_end|>\n<|im_start|>assistant\n": 5 "words".
+    assert counted.parse().input_tokens == 5
+    paths = [request["path"] for request in upstream.requests(model)]
+    assert paths == ["/tokenize", "/apply-template"]  # the text-only /tokenize names no model

@@ -6,7 +6,11 @@ Owns the fake "upstream" that respool workers call. It speaks Chat Completions
 request and counts open streams. Control routes, which no OpenAI API has:
 
     POST /tokenize   vLLM's tokenizer route: {model, messages} => {count, ...}, a token per word
-                     and one per message (a model scripted `tokenize: false` answers 404)
+                     and one per message (a model scripted `tokenize: false` answers 404, here and
+                     at /apply-template; one
+                     scripted `tokenize: "llama.cpp"` answers as llama-server does, 500); and
+                     llama-server's: {content} => {tokens}, a token per word
+    POST /apply-template   llama-server's: {messages} => {prompt}, ChatML
     POST /_script    {"model": m, "script": {...}}   model m follows the script from now on
     GET  /_requests  ?model=m                         bodies received, in order, plus "path", "headers"
     POST /_reset                                      forgets scripts, records and counters
@@ -362,9 +366,15 @@ async def tokenize(request: Request) -> Response:
     """vLLM's `/tokenize` (beside `/v1`): `{model, messages}` or `{model, prompt}` => `{count,
     max_model_len, tokens}`, a token per word of the messages' text and one per message (its role);
     a model scripted `tokenize: false` answers 404, as a server without the route does."""
+    if "content" in (await _peek(request)):  # llama-server's form
+        return await llama_tokenize(request)
     script, body = await read_script_and_body(request, {"model": str})
     if script.get("tokenize") is False:
         return JSONResponse({"detail": "Not Found"}, 404)
+    if script.get("tokenize") == "llama.cpp":  # llama-server's /tokenize reads `content` only
+        return JSONResponse(
+            {"error": {"code": 500, "message": '"content" must be provided', "type": "server_error"}}, 500
+        )
     messages = body.get("messages")
     if isinstance(messages, list):
         count = count_words(conversation(messages)) + len(messages)
@@ -373,6 +383,31 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse(
         {"count": count, "max_model_len": 4096, "tokens": list(range(count)), "token_strs": None}
     )
+
+
+async def _peek(request: Request) -> Json:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+async def llama_tokenize(request: Request) -> Response:
+    """llama-server's `/tokenize`: `{content}` => `{tokens}`, a token per word of the text."""
+    body = await _peek(request)
+    upstream_state(request).record(request, body)
+    return JSONResponse({"tokens": list(range(len(str(body.get("content") or "").split())))})
+
+
+@refusing_bad_bodies
+async def apply_template(request: Request) -> Response:
+    """llama-server's `/apply-template`: `{messages}` => `{prompt}`, here ChatML."""
+    script, body = await read_script_and_body(request, {"messages": list})
+    if script.get("tokenize") is False:
+        return JSONResponse({"detail": "Not Found"}, 404)
+    prompt = "".join(f"<|im_start|>{m.get('role')}\n{m.get('content')}<|im_end|>\n" for m in body["messages"])
+    return JSONResponse({"prompt": prompt + "<|im_start|>assistant\n"})
 
 
 async def list_models(request: Request) -> Response:
@@ -417,6 +452,7 @@ def create_app(state: UpstreamState) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/apply-template", apply_template, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/_script", register_script, methods=["POST"]),
             Route("/_requests", recorded_requests, methods=["GET"]),

@@ -3,7 +3,9 @@ upstream lets us:
 
 - a Chat Completions upstream: its tokenizer, `POST <server>/tokenize` with the chat messages (and
   tools) the request would be sent as (vLLM and SGLang count them through the model's chat template;
-  the answer's `count`, or its `tokens`' length);
+  the answer's `count`, or its `tokens`' length); a server whose `/tokenize` takes text only
+  (llama.cpp's `llama-server`: `{content}`) is asked to render the messages first
+  (`POST <server>/apply-template`), then to tokenize that prompt;
 - a Responses upstream: its own `POST <base>/responses/input_tokens` (OpenAI's), sent the request as
   respool would send it;
 - otherwise (the synthetic model, an upstream without either route, one that does not answer in
@@ -51,23 +53,47 @@ async def count(http: httpx.AsyncClient, route: Route, sent: dict[str, Any]) -> 
     if route.api is UpstreamApi.RESPONSES:
         url = route.base_url.rstrip("/") + "/responses/input_tokens"
         body = {name: value for name, value in sent.items() if name not in ("stream", "store")}
-        field = "input_tokens"
+        counted = await _ask(http, url, body, headers, "input_tokens")
     else:
-        url = server_root(route.base_url) + "/tokenize"
+        root = server_root(route.base_url)
         body = {"model": sent["model"], "messages": sent["messages"], "add_generation_prompt": True}
         if sent.get("tools"):
             body["tools"] = sent["tools"]
-        field = "count"
+        counted = await _ask(http, root + "/tokenize", body, headers, "count")
+        if counted is None:  # llama-server: render the messages, then tokenize the prompt
+            rendered = await _post(http, root + "/apply-template", body, headers)
+            prompt = rendered.get("prompt") if rendered else None
+            if isinstance(prompt, str):
+                tokenize = {"content": prompt, "add_special": True}
+                counted = await _ask(http, root + "/tokenize", tokenize, headers, "count")
+    if counted is None:
+        return estimate(sent), "estimate"
+    return counted, "tokenizer"
+
+
+async def _ask(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], field: str
+) -> int | None:
+    """A count from a tokenizer's answer: its `field`, or the length of its `tokens`; None if none."""
+    data = await _post(http, url, body, headers)
+    if data is None:
+        return None
+    counted = data.get(field)
+    if not isinstance(counted, int) and isinstance(data.get("tokens"), list):
+        counted = len(data["tokens"])
+    return counted if isinstance(counted, int) else None
+
+
+async def _post(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any] | None:
     try:
         answer = await http.post(url, json=body, headers=headers, timeout=TIMEOUT_SECONDS)
         if answer.status_code == 200:
             data = answer.json()
-            counted = data.get(field)
-            if not isinstance(counted, int) and isinstance(data.get("tokens"), list):
-                counted = len(data["tokens"])
-            if isinstance(counted, int):
-                return counted, "tokenizer"
-        log.info("%s answered %s: the input tokens are estimated", url, answer.status_code)
+            if isinstance(data, dict):
+                return data
+        log.info("%s answered %s", url, answer.status_code)
     except (httpx.HTTPError, ValueError) as exc:
-        log.info("%s failed (%s): the input tokens are estimated", url, type(exc).__name__)
-    return estimate(sent), "estimate"
+        log.info("%s failed (%s)", url, type(exc).__name__)
+    return None
