@@ -153,57 +153,53 @@ READY: dict[int | str, dict[str, Any]] = {
     503: _ERRORS[503],
 }
 
-# What a client does next with a created response, for tools that follow links (schemathesis' stateful
-# phase reaches the routes that take an id through them).
-_LINKS = {
-    name: {"operationId": operation, "parameters": {"response_id": "$response.body#/id"}}
-    for name, operation in {
+
+def _links(parameter: str, operations: dict[str, str]) -> dict[str, Any]:
+    """Links from a created object's `id` to the operations that take it as `parameter`."""
+    return {
+        name: {"operationId": operation, "parameters": {parameter: "$response.body#/id"}}
+        for name, operation in operations.items()
+    }
+
+
+# What a client does next with a created response or conversation, for tools that follow links
+# (schemathesis' stateful phase reaches the routes that take an id through them).
+_LINKS = _links(
+    "response_id",
+    {
         "RetrieveResponse": "retrieveResponse",
         "CancelResponse": "cancelResponse",
         "DeleteResponse": "deleteResponse",
         "ListInputItems": "listInputItems",
-    }.items()
-}
-
-
-_CONVERSATION_LINKS = {
-    name: {"operationId": operation, "parameters": {"conversation_id": "$response.body#/id"}}
-    for name, operation in {
+    },
+)
+_CONVERSATION_LINKS = _links(
+    "conversation_id",
+    {
         "RetrieveConversation": "retrieveConversation",
         "UpdateConversation": "updateConversation",
         "DeleteConversation": "deleteConversation",
         "ListConversationItems": "listConversationItems",
         "CreateConversationItems": "createConversationItems",
-    }.items()
-}
+    },
+)
 
 
-def _create_body() -> dict[str, Any]:
-    """The create body: `model` and `input` are optional in `CreateRequest` only so that their
-    absence is a 400 naming them (PROTOCOL.md §5.6); on the wire both are required."""
+def _create_body(required: tuple[str, ...]) -> dict[str, Any]:
+    """A create-shaped body: `model` and `input` are optional in `CreateRequest` only so that their
+    absence is a 400 naming them (PROTOCOL.md §5.6); on the wire those in `required` are required
+    (both for a create; `model` for an input token count)."""
     schema = CreateRequest.model_json_schema(mode="validation")
-    for name in ("model", "input"):
+    for name in required:
         schema["properties"][name]["anyOf"] = [
             option for option in schema["properties"][name]["anyOf"] if option.get("type") != "null"
         ]
-    schema["required"] = ["model", "input"]
+    schema["required"] = list(required)
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-CREATE_BODY = _create_body()
-
-
-def _input_tokens_body() -> dict[str, Any]:
-    """A count's body: a create's, with `model` required and `input` optional."""
-    schema = CreateRequest.model_json_schema(mode="validation")
-    schema["properties"]["model"]["anyOf"] = [
-        option for option in schema["properties"]["model"]["anyOf"] if option.get("type") != "null"
-    ]
-    schema["required"] = ["model"]
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-INPUT_TOKENS_BODY = _input_tokens_body()
+CREATE_BODY = _create_body(("model", "input"))
+INPUT_TOKENS_BODY = _create_body(("model",))
 
 # The Conversations API's request bodies (the SDK's params types; worker/protocol/conversations.py
 # enforces them).

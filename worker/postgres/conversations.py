@@ -14,6 +14,7 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from worker.postgres import store
 from worker.postgres.models import ConversationItemRow, ConversationRow
 
 
@@ -134,21 +135,8 @@ async def list_items(
     order: Literal["asc", "desc"],
 ) -> tuple[list[dict[str, Any]], bool]:
     """A page of items after the item `after` (cursor pagination), and whether more follow."""
-    query = select(ConversationItemRow.item).where(ConversationItemRow.conversation_id == conversation_id)
-    if after is not None:
-        cursor = (
-            select(ConversationItemRow.position)
-            .where(
-                ConversationItemRow.conversation_id == conversation_id, ConversationItemRow.item_id == after
-            )
-            .scalar_subquery()
-        )
-        query = query.where(
-            ConversationItemRow.position > cursor if order == "asc" else ConversationItemRow.position < cursor
-        )
-    position = ConversationItemRow.position.asc() if order == "asc" else ConversationItemRow.position.desc()
-    rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
-    return [dict(item) for item in rows[:limit]], len(rows) > limit
+    scope = ConversationItemRow.conversation_id == conversation_id
+    return await store.page_of_items(conn, ConversationItemRow, scope, after=after, limit=limit, order=order)
 
 
 async def get_item(conn: AsyncConnection, conversation_id: str, item_id: str) -> dict[str, Any] | None:

@@ -10,11 +10,11 @@ from datetime import datetime
 from typing import Any, Literal
 
 import orjson
-from sqlalchemy import bindparam, delete, func, insert, literal_column, select, tuple_, update
+from sqlalchemy import ColumnElement, bindparam, delete, func, insert, literal_column, select, tuple_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from worker.postgres.models import InputItemRow, ResponseRow
+from worker.postgres.models import ConversationItemRow, InputItemRow, ResponseRow
 from worker.protocol.request import CreateRequest
 from worker.protocol.response import LIVE, Status
 
@@ -278,17 +278,26 @@ async def list_input_items(
     order: Literal["asc", "desc"],
 ) -> tuple[list[dict[str, Any]], bool]:
     """A page of input items after the item `after` (cursor pagination), and whether more follow."""
-    query = select(InputItemRow.item).where(InputItemRow.response_id == response_id)
+    scope = InputItemRow.response_id == response_id
+    return await page_of_items(conn, InputItemRow, scope, after=after, limit=limit, order=order)
+
+
+async def page_of_items(
+    conn: AsyncConnection,
+    table: type[InputItemRow] | type[ConversationItemRow],
+    scope: ColumnElement[bool],
+    *,
+    after: str | None,
+    limit: int,
+    order: Literal["asc", "desc"],
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of the items of `table` within `scope` (a response's, a conversation's), after the item
+    `after`, in `position` order; and whether more follow."""
+    query = select(table.item).where(scope)
     if after is not None:
-        cursor = (
-            select(InputItemRow.position)
-            .where(InputItemRow.response_id == response_id, InputItemRow.item_id == after)
-            .scalar_subquery()
-        )
-        query = query.where(
-            InputItemRow.position > cursor if order == "asc" else InputItemRow.position < cursor
-        )
-    position = InputItemRow.position.asc() if order == "asc" else InputItemRow.position.desc()
+        cursor = select(table.position).where(scope, table.item_id == after).scalar_subquery()
+        query = query.where(table.position > cursor if order == "asc" else table.position < cursor)
+    position = table.position.asc() if order == "asc" else table.position.desc()
     rows = (await conn.execute(query.order_by(position).limit(limit + 1))).scalars().all()
     return [dict(item) for item in rows[:limit]], len(rows) > limit
 

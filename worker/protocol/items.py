@@ -138,3 +138,15 @@ def _role(item: dict[str, Any]) -> str | None:
         return None
     role = item.get("role")
     return role if isinstance(role, str) else None
+
+
+def page(items: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
+    """A list page of items (`input_items.list`, a conversation's items): its first and last ids the
+    cursors, null on an empty page."""
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }

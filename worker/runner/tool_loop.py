@@ -237,12 +237,8 @@ class ToolLoop:
     async def _call(self, out: Output, item: output.Item) -> None:
         label = str(item.fields.get("server_label"))
         _, server = self.servers[label]
-        arguments = "".join(item.arguments) or "{}"
-        try:
-            parsed = orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, dict):
+        arguments, parsed = _arguments(item)
+        if parsed is None:
             message = f"The arguments are not a JSON object: {arguments[:200]!r}."
             error = {"type": "mcp_protocol_error", "code": -32602, "message": message}
             self.writer.send(output.end_call(out, item, error=error))
@@ -259,12 +255,8 @@ class ToolLoop:
     async def _search(self, out: Output, item: output.Item) -> None:
         """Run the model's web search; what it found goes in the journal, then the item is done."""
         assert self.searcher is not None and self.search_spec is not None
-        arguments = "".join(item.arguments) or "{}"
-        try:
-            parsed = orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            parsed = None
-        query = str(parsed.get("query") or "") if isinstance(parsed, dict) else ""
+        arguments, parsed = _arguments(item)
+        query = str((parsed or {}).get("query") or "")
         self.writer.send(output.search_started(item, query))
         domains = (self.search_spec.get("filters") or {}).get("allowed_domains") or None
         try:
@@ -354,6 +346,16 @@ class ToolLoop:
             else item
             for item in [*self.conversation, *finished]
         ]
+
+
+def _arguments(item: output.Item) -> tuple[str, dict[str, Any] | None]:
+    """A call's arguments as the model gave them, and as a JSON object (None if they are not one)."""
+    arguments = "".join(item.arguments) or "{}"
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        parsed = None
+    return arguments, parsed if isinstance(parsed, dict) else None
 
 
 def _text(value: bytes | str) -> str:

@@ -16,6 +16,7 @@ from worker.errors import ConversationItemNotFoundError, ConversationNotFoundErr
 from worker.ids import new_id
 from worker.postgres import conversations as rows
 from worker.protocol import conversations as protocol
+from worker.protocol.items import page
 
 
 class ConversationService:
@@ -57,7 +58,7 @@ class ConversationService:
                     f"The conversation already holds an item with id '{held[0]}'.", param=f"items[{index}].id"
                 )
             await rows.add_items(conn, conversation_id, items)
-        return _page(items, has_more=False)
+        return page(items, has_more=False)
 
     async def list_items(
         self, owner: str, conversation_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
@@ -67,7 +68,7 @@ class ConversationService:
             items, has_more = await rows.list_items(
                 conn, conversation_id, after=after, limit=limit, order=order
             )
-        return _page(items, has_more=has_more)
+        return page(items, has_more=has_more)
 
     async def get_item(self, owner: str, conversation_id: str, item_id: str) -> dict[str, Any]:
         async with self.engine.connect() as conn:
@@ -93,13 +94,3 @@ async def _owned(
     if conversation is None:
         raise ConversationNotFoundError(conversation_id)
     return conversation
-
-
-def _page(items: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": has_more,
-    }

@@ -46,7 +46,7 @@ from worker.outbound import OutboundPolicy
 from worker.postgres import conversations, store
 from worker.protocol import tools
 from worker.protocol.conversations import conversation_id
-from worker.protocol.items import check_tool_outputs, normalize_input
+from worker.protocol.items import check_tool_outputs, normalize_input, page
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
 from worker.queue import delete_job, enqueue, response_queue
@@ -415,13 +415,7 @@ class ResponseService:
             items, has_more = await store.list_input_items(
                 conn, response_id, after=after, limit=limit, order=order
             )
-        return {
-            "object": "list",
-            "data": items,
-            "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None,
-            "has_more": has_more,
-        }
+        return page(items, has_more=has_more)
 
     def models(self) -> list[dict[str, Any]]:
         """`GET /v1/models`: every routed model."""

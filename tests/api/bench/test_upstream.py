@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
 from api.bench import upstream
-from tests.support.upstream_process import REPO_ROOT, read_listening_url
+from tests.support.upstream_process import REPO_ROOT, read_listening_url, stop_child
 
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"}]
@@ -50,14 +50,7 @@ def running_upstream(stderr_path: Path) -> Iterator[tuple[RunningUpstream, subpr
     try:
         yield RunningUpstream(read_listening_url(process, 20.0), stderr_path), process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
+        stop_child(process)
 
 
 @pytest.fixture(scope="module")
