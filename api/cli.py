@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workers", default="1,2", help="worker process counts to measure respool with (default 1,2)"
     )
+    deliveries = commands.add_parser(
+        "deliveries", help="print a response's webhook deliveries and their attempts, as JSON"
+    )
+    deliveries.add_argument("response_id")
     commands.add_parser(
         "hash-key", help="print the sha256:<hex> digest of the API key read from stdin (RESPOOL_API_KEYS)"
     )
@@ -70,7 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Settings:
     if args.command == "bench":
         return Settings()
-    flags = {key: value for key, value in vars(args).items() if key != "command" and value is not None}
+    flags = {
+        key: value
+        for key, value in vars(args).items()
+        if key not in ("command", "response_id") and value is not None
+    }
     overrides: dict[str, Any] = flags
     return Settings(**overrides)
 
@@ -88,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _require_servers(settings)
     if args.command == "migrate":
         sys.exit(run_migrate(settings))
+    elif args.command == "deliveries":
+        sys.exit(show_deliveries(settings, args.response_id))
     elif args.command == "api":
         import uvicorn
 
@@ -112,6 +122,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         from worker.runner.worker import run_worker
 
         run_worker(settings, settings.concurrency)
+
+
+def show_deliveries(settings: Settings, response_id: str) -> int:
+    """`respool deliveries RESPONSE_ID`: its webhook deliveries, each with its attempts (an
+    operator's view: any owner's)."""
+    import asyncio
+    import json
+
+    from worker.postgres import deliveries, store
+
+    async def read() -> list[dict[str, Any]]:
+        engine = store.create_engine(settings.database_url, pool_size=1)
+        try:
+            async with engine.connect() as conn:
+                return await deliveries.of_response(conn, response_id)
+        finally:
+            await engine.dispose()
+
+    print(json.dumps(asyncio.run(read()), indent=2, default=str))
+    return 0
 
 
 def run_migrate(settings: Settings) -> int:

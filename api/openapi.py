@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from openai.types import Model
 from openai.types.conversations import Conversation, ConversationDeletedResource, ConversationItem
 from openai.types.conversations import ConversationItemList as _SdkConversationItemList
-from openai.types.responses import InputTokenCountResponse, Response, ResponseStreamEvent
+from openai.types.responses import CompactedResponse, InputTokenCountResponse, Response, ResponseStreamEvent
 from openai.types.responses.response_item_list import ResponseItemList
 from pydantic import BaseModel, TypeAdapter
 
@@ -106,6 +106,7 @@ _SHAPES: dict[str, TypeAdapter[Any]] = {
     "ResponseDeleted": TypeAdapter(ResponseDeleted),
     "ModelList": TypeAdapter(ModelList),
     "InputTokenCount": TypeAdapter(InputTokenCountResponse),
+    "CompactedResponse": TypeAdapter(CompactedResponse),
     "Conversation": TypeAdapter(Conversation),
     "ConversationDeleted": TypeAdapter(ConversationDeletedResource),
     "ConversationItem": TypeAdapter(ConversationItem),
@@ -200,6 +201,7 @@ def _create_body(required: tuple[str, ...]) -> dict[str, Any]:
 
 CREATE_BODY = _create_body(("model", "input"))
 INPUT_TOKENS_BODY = _create_body(("model",))
+COMPACT_BODY = _create_body(("model",))
 
 # The Conversations API's request bodies (the SDK's params types; worker/protocol/conversations.py
 # enforces them).

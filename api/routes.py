@@ -31,8 +31,7 @@ MAX_SEQUENCE_NUMBER = 2**53 - 1
 
 class _ResponseIdSegment(StringConvertor):
     """A path segment that may be a response id: any but OpenAI's own `/responses/compact` and
-    `/responses/input_tokens`, which are never taken for ids (the second is a route of its own; the
-    first, not served yet, is an unknown route, 404, like any other)."""
+    `/responses/input_tokens`, routes of their own, never taken for ids."""
 
     regex = r"(?!(?:compact|input_tokens)(?:/|$))[^/]+"
 
@@ -123,6 +122,18 @@ async def count_input_tokens(request: Request, owner: Owner) -> Response:
     `x-respool-token-count` header says which)."""
     counted, how = await _service(request).input_tokens(owner, await _json_body(request))
     return JSONAnswer(counted, headers={"x-respool-token-count": how})
+
+
+@router.post(
+    "/responses/compact",
+    operation_id="compactResponse",
+    responses=openapi.answers("CompactedResponse", body=True),
+    openapi_extra=openapi.COMPACT_BODY,
+)
+async def compact_response(request: Request, owner: Owner) -> Response:
+    """The window a create with this body would send, compacted: its user messages, then one
+    `compaction` item that stands for the rest (sealed by respool, or the upstream's own)."""
+    return JSONAnswer(await _service(request).compact(owner, await _json_body(request)))
 
 
 @router.get(

@@ -214,6 +214,14 @@ class UnavailableAfterCommitError(UnavailableError):
     create the response twice (PROTOCOL.md §5.5). The message names the response."""
 
 
+class UpstreamFailedError(RespoolError):
+    """The upstream failed a call the client waits for in its request (`/responses/compact`)."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
 # --- the upstream --------------------------------------------------------------------------------
 
 REDACTED = "[redacted]"

@@ -18,6 +18,8 @@ ITEM_PREFIXES = {
     "mcp_approval_request": "mcpr",
     "mcp_approval_response": "mcpa",
     "web_search_call": "ws",
+    "compaction": "cmp",
+    "compaction_trigger": "cmpt",
 }
 
 

@@ -71,6 +71,11 @@ def streams_key(owner: str) -> str:
     return f"{PREFIX}:quota:{{{owner}}}:streams"
 
 
+def registries_lock_key(queue: str) -> str:
+    """Held (PX) by the one worker handling RQ's abandoned jobs of `queue` now (worker/runner/worker.py)."""
+    return f"{PREFIX}:registries:{queue}"
+
+
 def sweep_lock_key(queue: str) -> str:
     """Held (PX) by the one worker sweeping `queue`'s orphans now (worker/runner/recovery.py)."""
     return f"{PREFIX}:sweep:{queue}"

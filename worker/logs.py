@@ -69,7 +69,7 @@ class WithoutProbes(logging.Filter):
 
 # Libraries whose INFO lines are routine (RQ's maintenance every 2 s and three lines a job, Alembic's
 # plugin set-up): shown only from `debug` on.
-CHATTY = ("rq", "alembic")
+CHATTY = ("rq", "alembic", "httpx", "httpx2")  # httpx: a line per upstream call and webhook
 
 
 def chatty_level(level: str) -> str:

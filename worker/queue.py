@@ -23,6 +23,8 @@ from worker.keys import secrets_key
 # worker of an earlier release (during a rolling upgrade) and of a later one both resolve.
 JOB_FUNCTION = "worker.runner.run_job"
 # A response may stream for a long time; the lease, not RQ's job timeout, bounds a dead worker.
+# A delivery attempt's job function, as RQ records it (respool's worker runs it itself).
+DELIVERY_FUNCTION = "worker.runner.deliver_job"
 JOB_TIMEOUT = -1
 RESULT_TTL = 600
 
@@ -71,9 +73,7 @@ async def enqueue(
 ) -> None:
     """Append the response's first events and enqueue its job, in one MULTI on an asyncio client;
     with `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
-    if queue.redis_server_version is None:  # RQ asks once per process: ask it here
-        info = await redis.info("server")
-        queue.redis_server_version = parse_server_version(info["redis_version"])
+    await _know_server_version(redis, queue)
     commands = enqueue_commands(queue, response_id, first_events, max_attempts)
     async with redis.pipeline(transaction=True) as pipe:
         if secrets is not None:
@@ -81,6 +81,46 @@ async def enqueue(
         for args, options in commands:
             pipe.execute_command(*args, **options)
         await pipe.execute()
+
+
+def delivery_queue(connection: SyncRedis, name: str) -> Queue:
+    """The webhook deliveries' queue (DESIGN.md §12): `<queue>-webhooks`, a job per delivery attempt
+    whose id is the delivery's (its event's) id and whose only argument is that id."""
+    return Queue(f"{name}-webhooks", connection=connection, serializer=JSONSerializer)
+
+
+async def enqueue_deliveries(redis: AsyncRedis, queue: Queue, delivery_ids: list[str]) -> None:
+    """Queue an attempt of each delivery, in one MULTI on an asyncio client."""
+    if not delivery_ids:
+        return
+    await _know_server_version(redis, queue)
+    recorder = queue.connection.pipeline()
+    recorder.multi()
+    for delivery_id in delivery_ids:
+        queue.enqueue_call(
+            DELIVERY_FUNCTION,
+            args=(delivery_id,),
+            job_id=delivery_id,
+            timeout=JOB_TIMEOUT,
+            result_ttl=RESULT_TTL,
+            failure_ttl=RESULT_TTL,
+            description=f"webhook {delivery_id}",
+            pipeline=recorder,
+        )
+    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
+    recorder.reset()
+    async with redis.pipeline(transaction=True) as pipe:
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
+        await pipe.execute()
+
+
+async def _know_server_version(redis: AsyncRedis, queue: Queue) -> None:
+    """RQ asks the server's version once per process before it builds commands: ask it here, on
+    the asyncio client."""
+    if queue.redis_server_version is None:
+        info = await redis.info("server")
+        queue.redis_server_version = parse_server_version(info["redis_version"])
 
 
 def parse_server_version(version: str) -> tuple[int, int, int]:

@@ -13,7 +13,16 @@ env vars, and the built-in `synthetic` model.
     url = "https://docs-mcp.internal/mcp"
     headers_env = { Authorization = "DOCS_MCP_AUTHORIZATION" }   # header => env var with its value
 
-Keys are read from the environment when a request is sent, never stored in a row or a job.
+    # Webhook endpoints (DESIGN.md §12): where background responses' end events go, signed.
+    [webhooks.billing]
+    url = "https://hooks.example.com/respool"
+    secret_env = "BILLING_WEBHOOK_SECRET"   # env var: whsec_... (several, comma-separated, to rotate)
+    owners = ["tenant-a"]                   # optional: every owner
+    events = ["response.completed"]         # optional: all four
+
+    (`RESPOOL_WEBHOOK_URL` with `RESPOOL_WEBHOOK_SECRET` adds an endpoint `default` for every owner.)
+
+Keys and secrets are read from the environment when a request is sent, never stored in a row or a job.
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import ConfigError, ModelNotFoundError
+from worker.protocol.webhooks import EVENT_TYPES, Endpoint
 from worker.settings import Settings
 
 SYNTHETIC = "synthetic"
 UPSTREAM_KEY_ENV = "RESPOOL_UPSTREAM_API_KEY"
+WEBHOOK_SECRET_ENV = "RESPOOL_WEBHOOK_SECRET"
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Routes:
     models: dict[str, Route]
     fallback: Route | None = None
     mcp_servers: dict[str, RegisteredServer] = field(default_factory=dict)
+    webhooks: tuple[Endpoint, ...] = ()
 
     def resolve(self, model: str) -> Route:
         """The route for `model`, or `ModelNotFoundError`."""
@@ -111,16 +123,20 @@ def load_routes(settings: Settings) -> Routes:
     """Build the routing table from the config file and env; raise `ConfigError` if they are wrong."""
     models = {SYNTHETIC: Route(SYNTHETIC, UpstreamApi.SYNTHETIC)}
     servers: dict[str, RegisteredServer] = {}
+    endpoints: list[Endpoint] = []
     if settings.config is not None:
         document = _read_config(settings.config)
         models.update(_models(document, settings.config))
         servers = _servers(document, settings.config)
+        endpoints = _endpoints(document, settings.config)
+    if settings.webhook_url:
+        endpoints.append(Endpoint("default", settings.webhook_url, WEBHOOK_SECRET_ENV))
     fallback = None
     if settings.upstream_url:
         api = _api(settings.upstream_api, "RESPOOL_UPSTREAM_API")
         key_env = UPSTREAM_KEY_ENV if settings.upstream_api_key is not None else None
         fallback = Route("*", api, settings.upstream_url.rstrip("/"), "", key_env)
-    return Routes(models, fallback, servers)
+    return Routes(models, fallback, servers, tuple(endpoints))
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -144,6 +160,33 @@ def _servers(document: dict[str, Any], path: Path) -> dict[str, RegisteredServer
         pairs = tuple((str(name), str(env)) for name, env in headers.items())
         servers[label] = RegisteredServer(label, str(table["url"]), pairs)
     return servers
+
+
+def _endpoints(document: dict[str, Any], path: Path) -> list[Endpoint]:
+    tables = document.get("webhooks", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: [webhooks] must be a table of endpoints")
+    endpoints = []
+    for name, table in tables.items():
+        where = f'{path}: [webhooks."{name}"]'
+        if not isinstance(table, dict) or not table.get("url") or not table.get("secret_env"):
+            raise ConfigError(f"{where} needs a url and a secret_env")
+        owners = table.get("owners")
+        if owners is not None and not (isinstance(owners, list) and all(isinstance(o, str) for o in owners)):
+            raise ConfigError(f"{where}.owners must be a list of owners")
+        events = table.get("events", list(EVENT_TYPES))
+        if not isinstance(events, list) or not set(events) <= set(EVENT_TYPES) or not events:
+            raise ConfigError(f"{where}.events must be a list of {', '.join(EVENT_TYPES)}")
+        endpoints.append(
+            Endpoint(
+                name=str(name),
+                url=str(table["url"]),
+                secret_env=str(table["secret_env"]),
+                owners=None if owners is None else frozenset(owners),
+                events=frozenset(events),
+            )
+        )
+    return endpoints
 
 
 def _models(document: dict[str, Any], path: Path) -> dict[str, Route]:

@@ -123,6 +123,30 @@ class Settings(BaseSettings):
     web_search_api_key: SecretStr | None = None
     web_search_max_results: int = Field(default=5, gt=0, le=20)
 
+    # Compaction (worker/protocol/compaction.py): the keys respool's compaction items are sealed
+    # with, comma-separated, the first sealing and any opening (to rotate one in). None: a key made
+    # once and kept in Postgres (`server_key`), shared by every process.
+    compaction_keys: SecretStr | None = None
+    # `context_management` without a `compact_threshold` compacts past 80% of the model's context
+    # where its tokenizer says it (vLLM's /tokenize), else past this many input tokens.
+    compact_threshold_tokens: int = Field(default=24000, gt=0)
+    # The longest summary a compaction asks the model for (its `max_tokens`).
+    compact_summary_tokens: int = Field(default=2048, gt=0)
+
+    # Webhooks (DESIGN.md §12): an endpoint for every owner (more, per owner, in respool.toml), its
+    # whsec_ secret (comma-separated while rotating); how long a delivery is retried, its backoff
+    # (exponential, fully jittered, capped), its timeouts; deliveries one worker runs at once, and to
+    # one endpoint at once.
+    webhook_url: str = ""
+    webhook_secret: SecretStr | None = None
+    webhook_max_age_seconds: float = Field(default=3 * 24 * 3600.0, gt=0)
+    webhook_backoff_seconds: float = Field(default=5.0, gt=0)
+    webhook_backoff_max_seconds: float = Field(default=3600.0, gt=0)
+    webhook_connect_seconds: float = Field(default=5.0, gt=0)
+    webhook_timeout_seconds: float = Field(default=15.0, gt=0)
+    webhook_concurrency: int = Field(default=64, gt=0)
+    webhook_endpoint_concurrency: int = Field(default=8, gt=0)
+
     # SSE comment heartbeats during silences, so idle connections survive proxies (PROTOCOL.md §5.3).
     sse_heartbeat_seconds: float = 15.0
 

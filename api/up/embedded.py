@@ -301,14 +301,31 @@ def _postgres_owner(paths: list[Path]) -> pwd.struct_passwd | None:
 
 
 def _ensure_os_user(name: str) -> pwd.struct_passwd:
+    """The OS user `name`, created if missing. Processes that start at once (two test processes on a
+    fresh machine) take turns under a lock: with two `useradd`s at once, a test process was seen to
+    run initdb as a uid /etc/passwd no longer had."""
     with contextlib.suppress(KeyError):
         return pwd.getpwnam(name)
-    argv = ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    try:  # another process may have created it meanwhile, making useradd fail harmlessly
-        return pwd.getpwnam(name)
-    except KeyError:
-        raise EmbeddedServerError(f"cannot create OS user {name!r} for postgres: {result.stderr}") from None
+    with open(Path(tempfile.gettempdir()) / "respool-useradd.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+        argv = [
+            "useradd",
+            "--system",
+            "--user-group",
+            "--no-create-home",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ]
+        result = subprocess.run(argv, capture_output=True, text=True, check=False)
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            raise EmbeddedServerError(
+                f"cannot create OS user {name!r} for postgres: {result.stderr}"
+            ) from None
 
 
 def _prepare_cluster(bin_dir: Path, pgdata: Path, log: Path, owner: pwd.struct_passwd | None) -> None:

@@ -26,28 +26,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.once]  # nothing here depends
 @pytest.mark.parametrize(
     ("method", "path"),
     [
-        ("POST", "/v1/responses/compact"),
         ("GET", "/v1/responses/compact"),
         ("DELETE", "/v1/responses/compact"),
         ("GET", "/v1/responses/input_tokens"),
         ("DELETE", "/v1/responses/input_tokens"),
     ],
 )
-def test_openais_compact_and_other_methods_of_input_tokens_are_unknown_routes(
+def test_other_methods_of_compact_and_input_tokens_are_refused_as_such(
     queue_only: Stack, method: str, path: str
 ) -> None:
-    """`compact` is not served yet, and `input_tokens` only by POST: an OpenAI-shaped 404 like any
-    unknown route, never a 400 on `response_id`."""
+    """`compact` and `input_tokens` are served by POST only: another method is an OpenAI-shaped 405,
+    never a 400 on `response_id`."""
     answer = httpx.request(method, queue_only.url + path, json={"model": "m", "input": "x"})
-    assert answer.status_code in (404, 405), answer.text
+    assert answer.status_code == 405, answer.text
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert answer.json()["error"]["param"] != "response_id"
-
-
-def test_the_sdks_compact_call_is_404(open_client: openai.OpenAI) -> None:
-    """The SDK's own call gets a NotFoundError it can tell apart, not a 405."""
-    with pytest.raises(openai.NotFoundError):
-        open_client.responses.compact(model="m", input="x")
 
 
 def test_a_response_id_route_still_refuses_a_malformed_id(queue_only: Stack) -> None:

@@ -46,6 +46,10 @@ def test_without_a_tokenizer_an_estimate(
     counted = client.responses.input_tokens.with_raw_response.count(model=model, input="x" * 400)
     assert counted.headers["x-respool-token-count"] == "estimate"
     assert 100 <= counted.parse().input_tokens <= 120  # a token per 4 characters of what would be sent
+    asked = [request["path"] for request in upstream.requests(model)]
+    assert asked == ["/tokenize", "/apply-template"]
+    client.responses.input_tokens.count(model=model, input="again")
+    assert len(upstream.requests(model)) == len(asked)  # routes a server lacks are not asked again soon
 
 
 def test_a_count_needs_a_model(client: openai.OpenAI) -> None:

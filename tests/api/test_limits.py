@@ -191,6 +191,7 @@ def test_the_openapi_document_covers_every_route(limited: Stack) -> None:
     assert served == {
         ("POST", "/v1/responses"),
         ("POST", "/v1/responses/input_tokens"),
+        ("POST", "/v1/responses/compact"),
         ("GET", "/v1/responses/{response_id}"),
         ("DELETE", "/v1/responses/{response_id}"),
         ("POST", "/v1/responses/{response_id}/cancel"),

@@ -63,6 +63,7 @@ PROBES = [
     Probe("previous_response_id streamed", "POST", "/v1/responses", body={**CREATE, "stream": True}),
     Probe("previous_response_id background", "POST", "/v1/responses", body={**CREATE, "background": True}),
     Probe("input_tokens previous_response_id", "POST", "/v1/responses/input_tokens", body=CREATE),
+    Probe("compact previous_response_id", "POST", "/v1/responses/compact", body=CREATE),
 ]
 # Routes that name no response: the same answer for every owner.
 OWNERLESS = {("GET", "/v1/models"), ("POST", "/v1/conversations")}

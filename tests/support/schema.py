@@ -13,7 +13,8 @@ validation only (see the README next to the document):
 - the schema knows function tools only, and the items and events of messages, function calls,
   reasoning and compaction: tools of other types (`custom`, `namespace`, `mcp`, `web_search`, ...),
   a `tool_choice` naming one, items of other types (`custom_tool_call`, `mcp_call`, ...) and
-  events the schema has no type for (`response.mcp_call.completed`, ...) are checked by the SDK's
+  events the schema has no type for (`response.mcp_call.completed`, `response.compaction.compacting`,
+  ...) are checked by the SDK's
   types alone (`tests/support/validating.py` checks every answer against both).
 """
 
@@ -41,6 +42,7 @@ _SDK_TO_SCHEMA_TYPES = {
 
 # What the SDK has and the schema does not (module docstring): checked by the SDK's types alone.
 _SDK_ONLY_EVENT_PREFIXES = (
+    "response.compaction.",
     "response.custom_tool_call_input.",
     "response.mcp_",
     "response.web_search_call.",

@@ -11,6 +11,8 @@ request and counts open streams. Control routes, which no OpenAI API has:
                      scripted `tokenize: "llama.cpp"` answers as llama-server does, 500); and
                      llama-server's: {content} => {tokens}, a token per word
     POST /apply-template   llama-server's: {messages} => {prompt}, ChatML
+    POST /v1/responses/compact   OpenAI's: the input's user messages and a `compaction` item of its
+                     own (`upstream-compaction:<n>`); a model scripted `compact: false` answers 404
     POST /_script    {"model": m, "script": {...}}   model m follows the script from now on
     GET  /_requests  ?model=m                         bodies received, in order, plus "path", "headers"
     POST /_reset                                      forgets scripts, records and counters
@@ -111,11 +113,13 @@ class UpstreamState:
         self.max_active = self.active
         self.total = 0
 
-    def next_script(self, model: str) -> Json:
-        """The script this request follows: a `times`-limited script gives way to its `then`."""
+    def next_script(self, model: str, *, counted: bool = True) -> Json:
+        """The script this request follows: a `times`-limited script gives way to its `then` (only
+        the model's generations count toward `times`: not its tokenizer's requests)."""
         script = self.scripts.get(model, {})
         attempt = self.attempts.get(model, 0)
-        self.attempts[model] = attempt + 1
+        if counted:
+            self.attempts[model] = attempt + 1
         if "times" in script and attempt >= script["times"]:
             return cast(Json, script.get("then", {}))
         return script
@@ -292,7 +296,7 @@ class RefusedBodyError(Exception):
 
 
 async def read_script_and_body(
-    request: Request, required: dict[str, type | tuple[type, ...]]
+    request: Request, required: dict[str, type | tuple[type, ...]], *, counted: bool = True
 ) -> tuple[Json, Json]:
     """Record the request and pick the script its model follows; `RefusedBodyError` if the body is not
     JSON as the real servers require it (the content type, and the `required` keys in their types)."""
@@ -310,7 +314,7 @@ async def read_script_and_body(
     assert isinstance(body, dict)
     state = upstream_state(request)
     state.record(request, body)
-    return state.next_script(str(body.get("model", DEFAULT_MODEL))), body
+    return state.next_script(str(body.get("model", DEFAULT_MODEL)), counted=counted), body
 
 
 def body_problems(body: object, required: dict[str, type | tuple[type, ...]]) -> list[Json]:
@@ -362,13 +366,35 @@ async def responses(request: Request) -> Response:
 
 
 @refusing_bad_bodies
+async def compact(request: Request) -> Response:
+    """OpenAI's `/responses/compact`: the input's user messages, then one `compaction` item whose
+    content is this server's own (`upstream-compaction:<n>`, n the items it stands for); a model
+    scripted `compact: false` answers 404, as a server without the route (vLLM's) does."""
+    script, body = await read_script_and_body(request, {"model": str, "input": (str, list)})
+    if script.get("compact") is False:
+        return JSONResponse({"detail": "Not Found"}, 404)
+    given = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+    users = [item for item in given if item.get("role") == "user"]
+    content = f"upstream-compaction:{len(given) - len(users)}"
+    item = {"id": f"cmp_{uuid.uuid4().hex}", "type": "compaction", "encrypted_content": content}
+    read = count_words(conversation(given))
+    usage = {"input_tokens": read, "output_tokens": 7, "total_tokens": read + 7}
+    compacted = {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+    }
+    return JSONResponse({**compacted, "output": [*users, item], "usage": usage})
+
+
+@refusing_bad_bodies
 async def tokenize(request: Request) -> Response:
     """vLLM's `/tokenize` (beside `/v1`): `{model, messages}` or `{model, prompt}` => `{count,
     max_model_len, tokens}`, a token per word of the messages' text and one per message (its role);
     a model scripted `tokenize: false` answers 404, as a server without the route does."""
     if "content" in (await _peek(request)):  # llama-server's form
         return await llama_tokenize(request)
-    script, body = await read_script_and_body(request, {"model": str})
+    script, body = await read_script_and_body(request, {"model": str}, counted=False)
     if script.get("tokenize") is False:
         return JSONResponse({"detail": "Not Found"}, 404)
     if script.get("tokenize") == "llama.cpp":  # llama-server's /tokenize reads `content` only
@@ -403,7 +429,7 @@ async def llama_tokenize(request: Request) -> Response:
 @refusing_bad_bodies
 async def apply_template(request: Request) -> Response:
     """llama-server's `/apply-template`: `{messages}` => `{prompt}`, here ChatML."""
-    script, body = await read_script_and_body(request, {"messages": list})
+    script, body = await read_script_and_body(request, {"messages": list}, counted=False)
     if script.get("tokenize") is False:
         return JSONResponse({"detail": "Not Found"}, 404)
     prompt = "".join(f"<|im_start|>{m.get('role')}\n{m.get('content')}<|im_end|>\n" for m in body["messages"])
@@ -451,6 +477,7 @@ def create_app(state: UpstreamState) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/responses/compact", compact, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/apply-template", apply_template, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),

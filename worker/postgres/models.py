@@ -1,5 +1,5 @@
 """The Postgres schema (DESIGN.md §5, §11): the `response` table and its `input_item` rows; the
-`conversation` table and its `conversation_item` rows.
+`conversation` table and its `conversation_item` rows; the `server_key` table.
 
 Alembic (migrations/) builds its migrations from this metadata.
 """
@@ -130,3 +130,58 @@ class ConversationItemRow(Base):
         UniqueConstraint("conversation_id", "item_id"),
         Index(None, "conversation_id", "position"),
     )
+
+
+class ServerKeyRow(Base):
+    """A key the servers share, made once by whichever process needs it first: the compaction key
+    (worker/protocol/compaction.py) when the operator configured none (RESPOOL_COMPACTION_KEYS)."""
+
+    __tablename__ = "server_key"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class WebhookDeliveryRow(Base):
+    """One event to one endpoint (DESIGN.md §12): inserted in the transaction that records the
+    response's end, then tried until delivered or given up. Its id is the event's (`webhook-id`)."""
+
+    __tablename__ = "webhook_delivery"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    response_id: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(String(128))
+    endpoint: Mapped[str] = mapped_column(String(128))  # its name in the configuration
+    url: Mapped[str] = mapped_column(Text)
+    event_type: Mapped[str] = mapped_column(String(32))
+    body: Mapped[str] = mapped_column(Text)  # the event's JSON, the same bytes on every attempt
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'pending'"))
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # When it may be tried next; while an attempt runs, when that attempt is given up for dead.
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'delivered', 'given_up')", name="status"),
+        Index(None, "response_id"),
+        Index("ix_webhook_delivery_due", "next_attempt_at", postgresql_where=text("status = 'pending'")),
+    )
+
+
+class WebhookAttemptRow(Base):
+    """One attempt of a delivery: what the receiver answered, or why it could not."""
+
+    __tablename__ = "webhook_attempt"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    delivery_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("webhook_delivery.id", ondelete="CASCADE"), index=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[int] = mapped_column(Integer)

@@ -22,6 +22,7 @@ _REQUIRED = {
     "custom_tool_call": ("call_id", "name", "input"),
     "custom_tool_call_output": ("call_id", "output"),
     "mcp_approval_response": ("approval_request_id", "approve"),
+    "compaction": ("encrypted_content",),
 }
 CALLS = {"function_call": "function_call_output", "custom_tool_call": "custom_tool_call_output"}
 OUTPUTS = frozenset(CALLS.values())

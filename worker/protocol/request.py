@@ -33,6 +33,15 @@ RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9_-]{1,59}$"
 ResponseId = Annotated[str, Field(pattern=RESPONSE_ID_PATTERN)]
 
 
+class ContextManagement(BaseModel):
+    """One `context_management` entry: compaction past `compact_threshold` input tokens."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["compaction"]
+    compact_threshold: Annotated[int, Field(ge=1)] | None = None
+
+
 class CreateRequest(BaseModel):
     """The create body. Unknown keys are kept (and ignored), PROTOCOL.md §10 "accepts unknown keys"."""
 
@@ -65,6 +74,7 @@ class CreateRequest(BaseModel):
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=128)] | None = None
     prompt_cache_key: str | None = None
+    context_management: list[ContextManagement] | None = None
 
     @field_validator("metadata")
     @classmethod

@@ -35,14 +35,13 @@ from worker.events.stream import (
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
-from worker.protocol import items
+from worker.protocol import compaction, items
 from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finished
 from worker.routing import Route, UpstreamApi
-from worker.runner import tool_loop
+from worker.runner import compacting, summary, tool_loop
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
-from worker.runner.synthetic import synthetic_chunks
-from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, stream_json
+from worker.runner.upstream import RESPONSES_STREAM, stream_json
 from worker.settings import Settings
 from worker.translation import chat_request, chat_stream, native, output, replay
 from worker.translation.chat_tools import ServerTool
@@ -244,6 +243,12 @@ async def _generate(
     turn = _native_turn if route.api is UpstreamApi.RESPONSES else _chat_turn
     if stored.request.get("truncation") == "auto":
         turn = partial(_truncating, turn)
+    if stored.request.get(compaction.COMPACT):
+        return await compacting.compact_request(rt, writer, route, stored)
+    if compacting.is_triggered(stored.conversation):
+        return await compacting.compact_only(rt, writer, route, stored)
+    if compacting.applies(stored.request, stored.conversation):
+        turn = partial(compacting.run_turn, stored.owner, turn)
     if tool_loop.uses_tools(stored.request, rt.searcher is not None):
         loop = tool_loop.ToolLoop(
             writer=writer,
@@ -340,9 +345,7 @@ async def _chat_turn(
 
 
 def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
-    if route.api is UpstreamApi.SYNTHETIC:
-        return synthetic_chunks(body, rt.synthetic_delay_seconds)
-    return stream_json(rt.http, route, "/chat/completions", body, rt.retry, CHAT_STREAM)
+    return summary.chat_chunks(rt.http, route, body, rt.retry, rt.synthetic_delay_seconds)
 
 
 Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
@@ -453,22 +456,27 @@ async def _record_final(
     """Commit the final Response, fenced on `attempt`; a `store: false` response leaves nothing. A
     response on a conversation appends its input and output items to it in the same transaction
     (DESIGN.md §11), when it completed or ended incomplete: exactly once, whatever died on the way."""
-    if stored.conversation_id is None:
+    notifies = rt.notifier.wanted(stored.owner, final["status"], background=stored.background)
+    if stored.conversation_id is None and not notifies:
         async with rt.autocommit.connect() as conn:
             if stored.store:
                 return await store.mark_finished(conn, stored.id, attempt, final)
             return await store.delete_finished(conn, stored.id, attempt)
+    delivery_ids: list[str] = []
     async with rt.engine.begin() as conn:
-        own = await store.own_input_items(conn, stored.id)
+        own = await store.own_input_items(conn, stored.id) if stored.conversation_id else []
         if stored.store:
             ended = await store.mark_finished(conn, stored.id, attempt, final)
         else:
             ended = await store.delete_finished(conn, stored.id, attempt)
-        if ended and final["status"] in APPENDED:
+        if ended and stored.conversation_id is not None and final["status"] in APPENDED:
             await conversations.append_response(
                 conn, stored.conversation_id, stored.id, own + list(final.get("output") or [])
             )
-        return ended
+        if ended and notifies:  # DESIGN.md §12: the deliveries with the end, in its transaction
+            delivery_ids = await rt.notifier.record(conn, stored.id, stored.owner, final["status"])
+    await rt.notifier.send(delivery_ids)
+    return ended
 
 
 async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
@@ -480,6 +488,7 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
     if lease is None:
         return False
     try:
+        delivery_ids: list[str] = []
         async with rt.engine.begin() as conn:
             stored = await store.get_response(conn, response_id)
             if stored is None:
@@ -487,6 +496,9 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
             won = stored.status not in TERMINAL and await store.mark_failed(
                 conn, response_id, failed(stored.response, message, int(time.time()))
             )
+            if won and rt.notifier.wanted(stored.owner, Status.FAILED, background=stored.background):
+                delivery_ids = await rt.notifier.record(conn, response_id, stored.owner, Status.FAILED)
+        await rt.notifier.send(delivery_ids)
         last = await last_event(rt.redis, response_id)
         await _end_as_stored(rt, ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds))
         return bool(won)

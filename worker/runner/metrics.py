@@ -12,6 +12,9 @@ _FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 _RESPONSE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
+_WEBHOOK_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400)
+
+
 class WorkerMetrics:
     """The metrics one worker process keeps."""
 
@@ -51,6 +54,25 @@ class WorkerMetrics:
         )
         self.cancels = Counter(
             "respool_cancels", "Cancels that stopped a running response.", registry=registry
+        )
+        self.webhooks_sent = Counter(
+            "respool_webhooks_delivered",
+            "Webhook deliveries a receiver acknowledged (2xx).",
+            registry=registry,
+        )
+        self.webhook_failures = Counter(
+            "respool_webhook_failed_attempts",
+            "Webhook delivery attempts that failed (an answer other than 2xx, or none).",
+            registry=registry,
+        )
+        self.webhooks_given_up = Counter(
+            "respool_webhooks_given_up", "Webhook deliveries given up after their retries.", registry=registry
+        )
+        self.webhook_latency = Histogram(
+            "respool_webhook_latency_seconds",
+            "From a response's end to its webhook's acknowledgement.",
+            buckets=_WEBHOOK_BUCKETS,
+            registry=registry,
         )
 
     def serve(self, port: int) -> None:

@@ -6,7 +6,8 @@ The sweep handles what that cannot: it ends `failed`, with a message saying why,
 (queued or in progress) that is older than a grace period, whose lease nobody holds, and whose job
 RQ no longer holds as waiting or running (it gave up after `max_attempts`, or Redis lost the job).
 In-progress rows are all looked at every sweep; queued rows, a bounded number of pages per sweep
-(`end_orphans`). It also deletes stored responses finished more than `retention_days` ago.
+(`end_orphans`). It also deletes stored responses finished more than `retention_days` ago, and
+webhook deliveries that ended as long ago.
 
 Every worker runs it every `maintenance_seconds`; a Redis lock lets one of them at a time do it.
 """
@@ -22,7 +23,7 @@ import orjson
 from rq.job import JobStatus
 
 from worker.keys import lease_key, sweep_cursor_key, sweep_lock_key
-from worker.postgres import store
+from worker.postgres import deliveries, store
 from worker.protocol.response import Status
 from worker.runner.attempt import end_response
 from worker.runner.runtime import Runtime
@@ -57,6 +58,7 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     ended = await end_orphans(rt, settings, job_statuses)
     async with rt.engine.begin() as conn:
         deleted = await store.delete_expired(conn, settings.retention_days, BATCH)
+        await deliveries.delete_expired(conn, settings.retention_days, BATCH)
     if deleted:
         log.info("deleted %d responses past retention (%s days)", deleted, settings.retention_days)
     return ended

@@ -10,20 +10,25 @@ from enum import StrEnum
 from typing import Any
 
 import httpx2
+from pydantic import SecretStr
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker.connections import connect
+from worker.connections import connect, sync_client
 from worker.errors import ConfigError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
 from worker.outbound import OutboundPolicy
 from worker.postgres import store
+from worker.postgres.keys import compaction_sealer
+from worker.protocol.compaction import Sealer
+from worker.queue import delivery_queue
 from worker.routing import Routes, load_routes
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.search import DEFAULT_URLS, Searcher
 from worker.runner.upstream import RetryPolicy, create_client
 from worker.settings import Settings
+from worker.webhooks import Notifier
 
 
 class RunEnd(StrEnum):
@@ -47,12 +52,16 @@ class Runtime:
     stream_ttl_seconds: int
     synthetic_delay_seconds: float
     leases: Leases
+    notifier: Notifier  # webhook deliveries, recorded with a background response's end
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     database_wait_seconds: float = 120.0
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     outbound: OutboundPolicy = field(default_factory=OutboundPolicy)  # DESIGN.md §13
     tool_timeout_seconds: float = 120.0
     searcher: Searcher | None = None  # the web search backend, if one is configured
+    compaction_keys: SecretStr | None = None  # RESPOOL_COMPACTION_KEYS (None: the key in Postgres)
+    compact_threshold_tokens: int = 24000  # `context_management`'s when it gives none and none is known
+    compact_summary_tokens: int = 2048  # the longest summary a compaction asks for
     log: EventLog = field(init=False)
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -60,11 +69,18 @@ class Runtime:
     generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
     cancelling: set[str] = field(default_factory=set)
     interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
+    _sealer: Sealer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
         self.autocommit = store.single_statements(self.engine)
         self.metrics.in_flight.set_function(lambda: len(self.running))
+
+    async def sealer(self) -> Sealer:
+        """The sealer of respool's compaction items, loaded on first use."""
+        if self._sealer is None:
+            self._sealer = await compaction_sealer(self.engine, self.compaction_keys)
+        return self._sealer
 
     def request_cancel(self, response_id: str) -> None:
         """Interrupt the response's upstream call (the cancel watcher saw its flag).
@@ -89,7 +105,10 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     """Connections for a process that runs up to `concurrency` responses at once."""
     redis = connect(settings.redis_url, max_connections=max(16, concurrency // 4))
     routes = load_routes(settings)
+    # The deliveries' queue only builds RQ's commands on this client; they go out on `redis`.
+    deliveries = delivery_queue(sync_client(settings.redis_url), settings.queue)
     return Runtime(
+        notifier=Notifier(routes.webhooks, redis, deliveries),
         engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
         redis=redis,
         http=create_client(
@@ -105,6 +124,9 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         outbound=OutboundPolicy.parse(settings.outbound_allowlist),
         tool_timeout_seconds=settings.tool_timeout_seconds,
         searcher=searcher_of(settings, routes),
+        compaction_keys=settings.compaction_keys,
+        compact_threshold_tokens=settings.compact_threshold_tokens,
+        compact_summary_tokens=settings.compact_summary_tokens,
     )
 
 

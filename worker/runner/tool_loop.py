@@ -34,7 +34,7 @@ from worker.runner import mcp, search
 from worker.runner.search import Searcher
 from worker.translation import output
 from worker.translation.chat_messages import SEARCH_RESULTS, search_text
-from worker.translation.chat_stream import Outcome
+from worker.translation.chat_stream import Outcome, add_usage
 from worker.translation.chat_tools import WEB_SEARCH_TOOL, ServerTool
 from worker.translation.output import Output
 
@@ -123,7 +123,7 @@ class ToolLoop:
             # A turn that asked for an approval, or called a tool the client runs, ends the response
             # once the calls respool runs are done.
             hands_back = any(item.type in _HANDED_BACK for item in out.items[start:])
-            usage = _add_usage(usage, outcome.usage)
+            usage = add_usage(usage, outcome.usage)
             if outcome.status != "completed" or not out.pending:
                 return Outcome(outcome.status, outcome.incomplete_details, output.output_items(out), usage)
             if usage is not None:
@@ -335,7 +335,8 @@ class ToolLoop:
         finished = [
             item
             for item in output.output_items(out)
-            if item.get("status") in ("completed", "failed") and item.get("type") != "mcp_approval_request"
+            if (item.get("status") in ("completed", "failed") and item.get("type") != "mcp_approval_request")
+            or item.get("type") == output.COMPACTION
         ]
         if self.search_spec is None:
             return [*self.conversation, *finished]
@@ -370,18 +371,3 @@ def _action(item: output.Item) -> dict[str, Any]:
 def _read_only(entry: dict[str, Any]) -> bool:
     annotations = entry.get("annotations") or {}
     return bool(annotations.get("readOnlyHint") or annotations.get("read_only_hint"))
-
-
-def _add_usage(total: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Usage over the loop's turns: every count summed."""
-    if more is None:
-        return total
-    if total is None:
-        return dict(more)
-    summed: dict[str, Any] = {}
-    for key, value in more.items():
-        if isinstance(value, dict):
-            summed[key] = {k: int(total.get(key, {}).get(k, 0)) + int(v) for k, v in value.items()}
-        else:
-            summed[key] = int(total.get(key) or 0) + int(value or 0)
-    return summed

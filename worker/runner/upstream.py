@@ -180,10 +180,44 @@ async def stream_json(
             yield payload
 
 
+async def post_json(
+    client: httpx2.AsyncClient,
+    route: Route,
+    path: str,
+    body: dict[str, Any],
+    policy: RetryPolicy = DEFAULT_RETRY,
+) -> Payload:
+    """POST `body` to `route.base_url + path` and answer its JSON object (not streamed), transient
+    faults retried under `policy`. Raises `UpstreamError` only."""
+    request = _build_request(client, route, path, body, accept="application/json")
+    attempt = 1
+    while True:
+        try:
+            try:
+                reply = await client.send(request)
+                if reply.status_code >= 400:
+                    raise await _status_error(reply)
+                return _object(reply.text)
+            except httpx2.HTTPError as exc:
+                raise _map_httpx_error(exc, request, client.timeout) from exc
+        except TransientUpstreamError as exc:
+            exc.redact(_sent_key(request))
+            if attempt >= policy.attempts:
+                raise exc.gave_up(attempt) from exc
+            await sleep(policy.delay(attempt, exc.retry_after))
+            attempt += 1
+        except UpstreamError as exc:
+            raise exc.redact(_sent_key(request)) from exc
+
+
 def _build_request(
-    client: httpx2.AsyncClient, route: Route, path: str, body: dict[str, Any]
+    client: httpx2.AsyncClient,
+    route: Route,
+    path: str,
+    body: dict[str, Any],
+    accept: str = "text/event-stream",
 ) -> httpx2.Request:
-    headers = {"accept": "text/event-stream", "content-type": "application/json"}
+    headers = {"accept": accept, "content-type": "application/json"}
     key = route.api_key()
     if key:
         headers["authorization"] = f"Bearer {key}"
@@ -347,6 +381,11 @@ def _data(line: str) -> Payload | None:
         return None
     if text == "[DONE]":
         return _DONE
+    return _object(text)
+
+
+def _object(text: str) -> Payload:
+    """The JSON object `text` holds; `UpstreamError` if it holds none, or an in-band error."""
     if "\\u0000" in text:
         text = _NUL_ESCAPE.sub("\\1\\\\ufffd", text)
     try:

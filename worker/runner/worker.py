@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,11 @@ from rq.worker import BaseWorker
 
 from worker import logs
 from worker.connections import sync_client
-from worker.keys import cancel_key
+from worker.keys import cancel_key, registries_lock_key
 from worker.outages import is_outage, is_redis_outage
-from worker.queue import job_statuses, response_queue
+from worker.queue import delivery_queue, job_statuses, response_queue
 from worker.runner.attempt import run_response
+from worker.runner.deliveries import Deliverer, queue_due
 from worker.runner.recovery import sweep
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
@@ -58,8 +60,9 @@ class ResponseWorker(BaseWorker):
 
     def __init__(self, settings: Settings, connection: SyncRedis, concurrency: int) -> None:
         queue = response_queue(connection, settings.queue)
+        self._deliveries = delivery_queue(connection, settings.queue)
         super().__init__(
-            [queue],
+            [queue, self._deliveries],
             connection=connection,
             serializer=JSONSerializer,
             worker_ttl=max(30, settings.registry_seconds * 3),
@@ -71,11 +74,15 @@ class ResponseWorker(BaseWorker):
         self._settings = settings
         self._last_beat = self._last_suspension_check = -math.inf
         self._slots = threading.Semaphore(concurrency)
+        # Webhook deliveries have slots of their own: slow receivers never take a response's.
+        self._delivery_slots = threading.Semaphore(settings.webhook_concurrency)
         self._running: dict[str, _Running] = {}
         self._loop = uvloop.new_event_loop()  # libuv's loop: a third of asyncio's cost per I/O callback
         self._thread = threading.Thread(target=self._loop.run_forever, name="responses", daemon=True)
         self._thread.start()
         self._runtime: Runtime = self._call(open_runtime(settings, self.name, concurrency))
+        rt = self._runtime
+        self._deliverer = Deliverer(settings, rt.engine, rt.notifier, rt.outbound, rt.metrics)
         if settings.worker_metrics_port:
             self._runtime.metrics.serve(settings.worker_metrics_port)
         self._background = [
@@ -103,19 +110,27 @@ class ResponseWorker(BaseWorker):
         While Redis is unreachable, wait for it: RQ's own loop would quit on the error.
         """
         while True:
-            self._wait_for_slot()
+            free = self._wait_for_slot()  # a slot of each queue that has one free
+            self._ordered_queues = [queue for queue in self.queues if queue.name in free]
             try:
-                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(
-                    timeout, max_idle_time
-                )
+                # One blocking pop at most: then the free slots are looked at again, or a queue
+                # whose slots were all taken would not be listened to once one is given back.
+                idle = timeout if max_idle_time is None else max_idle_time
+                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(timeout, idle)
             except BaseException as exc:
-                self._slots.release()
+                for slots in free.values():
+                    slots.release()
                 if not is_redis_outage(exc):
                     raise
                 self._wait_for_redis(exc)
                 continue
-            if result is None:
-                self._slots.release()
+            for name, slots in free.items():  # keep the slot of the job's queue only
+                if result is None or result[1].name != name:
+                    slots.release()
+            if result is None and timeout is not None and max_idle_time is None:
+                if self._stop_requested:
+                    raise StopRequested()
+                continue  # idle for one pop: listen again, to the queues with free slots
             return result
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -197,6 +212,7 @@ class ResponseWorker(BaseWorker):
         self._drain(self._settings.drain_seconds)
         for task in self._background:
             task.cancel()
+        self._call(self._deliverer.close())
         self._call(close_runtime(self._runtime))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -204,15 +220,27 @@ class ResponseWorker(BaseWorker):
 
     # Internals -----------------------------------------------------------------------------
 
-    def _wait_for_slot(self) -> None:
-        while not self._slots.acquire(timeout=1.0):
+    def _wait_for_slot(self) -> dict[str, threading.Semaphore]:
+        """A slot of each queue that has one free, once one has: by queue name."""
+        pools = {self.queues[0].name: self._slots, self._deliveries.name: self._delivery_slots}
+        while True:
+            free = {name: slots for name, slots in pools.items() if slots.acquire(blocking=False)}
+            if free:
+                return free
+            if self._slots.acquire(timeout=0.5):
+                return {self.queues[0].name: self._slots}
             self.heartbeat()
             if self._stop_requested:
                 raise StopRequested()
 
     async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
+        is_delivery = queue.name == self._deliveries.name
         try:
-            end = await run_response(self._runtime, job.id)
+            if is_delivery:
+                await self._deliverer.deliver(job.id)
+                end = RunEnd.FINISHED
+            else:
+                end = await run_response(self._runtime, job.id)
         except BaseException:
             exc_info = sys.exc_info()
             log.exception("response %s: the job failed", job.id)
@@ -224,7 +252,7 @@ class ResponseWorker(BaseWorker):
                 log.exception("response %s: recording how its run ended (%s) with RQ failed", job.id, end)
         finally:
             self._running.pop(job.id, None)
-            self._slots.release()
+            (self._delivery_slots if is_delivery else self._slots).release()
 
     def _finalize(self, end: RunEnd, job: Job, queue: Queue, execution: Execution) -> None:
         """Tell RQ how the run ended (DESIGN.md §4)."""
@@ -284,9 +312,32 @@ class ResponseWorker(BaseWorker):
     async def _sweep(self) -> None:
         """End responses nobody runs any more, and drop stored ones past retention (worker/runner/recovery.py)."""
         await sweep(self._runtime, self._settings, self._queue_statuses)
+        lock_ms = int(self._settings.maintenance_seconds * 1000)
+        if await self._runtime.redis.set(
+            registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
+        ):
+            await asyncio.to_thread(self._clean_registries)
+        await queue_due(
+            self._runtime.engine,
+            self._runtime.notifier,
+            self._delivery_statuses,
+            self._settings.webhook_max_age_seconds,
+        )
+
+    def _clean_registries(self) -> None:
+        """RQ's handling of abandoned jobs (those whose worker died: retried, or failed when no retry
+        is left), under a lock of respool's that lapses with the maintenance period. RQ's own runs
+        under a lock that lives 15 minutes, which a worker killed while holding it leaves behind: no
+        response of its queue would be taken over meanwhile."""
+        for queue in self.queues:
+            queue.started_job_registry.cleanup(exception_handlers=self._exc_handlers)
+            queue.intermediate_queue.cleanup(self, queue)
 
     def _queue_statuses(self, response_ids: list[str]) -> dict[str, JobStatus | None]:
         return job_statuses(self.queues[0], response_ids)
+
+    def _delivery_statuses(self, delivery_ids: Sequence[str]) -> dict[str, JobStatus | None]:
+        return job_statuses(self._deliveries, list(delivery_ids))
 
     async def _watch_cancels(self) -> None:
         """Interrupt responses whose cancel flag is set, even while their upstream is silent."""

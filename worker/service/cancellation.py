@@ -21,8 +21,10 @@ from worker.events.writer import ResponseWriter, end_stream
 from worker.ids import new_id
 from worker.keys import cancel_key
 from worker.postgres import store
+from worker.protocol.response import Status
 from worker.queue import remove_queued
 from worker.settings import Settings
+from worker.webhooks import Notifier
 
 CANCEL_FLAG_SECONDS = 3600
 
@@ -30,9 +32,19 @@ CANCEL_FLAG_SECONDS = 3600
 class Cancellation:
     """One per API process (the service's): cancels, and ends streams under its own leases."""
 
-    def __init__(self, settings: Settings, autocommit: AsyncEngine, redis: Redis, queue: Queue) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        autocommit: AsyncEngine,
+        redis: Redis,
+        queue: Queue,
+        notifier: Notifier,
+    ) -> None:
         self.settings = settings
+        self.engine = engine
         self.autocommit = autocommit
+        self.notifier = notifier
         self.redis = redis
         self.queue = queue
         self.leases = Leases(redis, settings.lease_seconds)
@@ -41,8 +53,16 @@ class Cancellation:
 
     async def cancel_live(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Record the cancel, then reach whoever holds the response; None if it was not live."""
-        async with self.autocommit.connect() as conn:
-            cancelled = await store.mark_cancelled(conn, response_id, owner)
+        if not self.notifier.wanted(owner, Status.CANCELLED, background=True):
+            async with self.autocommit.connect() as conn:
+                cancelled = await store.mark_cancelled(conn, response_id, owner)
+        else:  # DESIGN.md §12: the deliveries with the end, in its transaction
+            async with self.engine.begin() as conn:
+                cancelled = await store.mark_cancelled(conn, response_id, owner)
+                delivery_ids = []
+                if cancelled is not None:
+                    delivery_ids = await self.notifier.record(conn, response_id, owner, Status.CANCELLED)
+            await self.notifier.send(delivery_ids)
         if cancelled is None:
             return None
         await self._signal(response_id, cancelled)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
+import httpx2
 import orjson
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
@@ -23,7 +23,7 @@ from rq import Queue
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from worker import logs
+from worker import logs, token_count
 from worker.connections import blocking_client, connect, sync_client
 from worker.errors import (
     ConversationNotFoundError,
@@ -32,6 +32,7 @@ from worker.errors import (
     OverloadedError,
     ResponseNotFoundError,
     UnavailableAfterCommitError,
+    UpstreamFailedError,
 )
 from worker.events.stream import (
     Event,
@@ -44,22 +45,28 @@ from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
 from worker.postgres import conversations, store
-from worker.protocol import tools
+from worker.postgres.keys import compaction_sealer
+from worker.protocol import compaction, tools
+from worker.protocol.compaction import Sealer
 from worker.protocol.conversations import conversation_id
 from worker.protocol.items import check_tool_outputs, normalize_input, page
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
-from worker.queue import delete_job, enqueue, response_queue
+from worker.queue import delete_job, delivery_queue, enqueue, response_queue
 from worker.routing import Route, Routes, load_routes
-from worker.service import chains, token_count
+from worker.service import chains
 from worker.service.cancellation import Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
 from worker.service.tailer import TAILER_BLOCK_MS, Tailer
 from worker.settings import Settings
 from worker.translation import chat_request, native
+from worker.webhooks import Notifier
 
 log = logging.getLogger("respool.service")
+
+# What `POST /responses/compact` takes of its body (the SDK's `ResponseCompactParams` that matter here).
+_COMPACT_PARAMS = ("model", "input", "instructions", "previous_response_id")
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,12 @@ class ResponseService:
             block_ms=TAILER_BLOCK_MS,
             finishing_seconds=finishing,
         )
-        self.cancellation = Cancellation(settings, self.autocommit, redis, self.queue)
+        self.notifier = Notifier(self.routes.webhooks, redis, delivery_queue(sync_redis, settings.queue))
+        self.cancellation = Cancellation(settings, engine, self.autocommit, redis, self.queue, self.notifier)
         self.conversations = ConversationService(engine)
-        self.http = httpx.AsyncClient(trust_env=False)  # to upstreams' tokenizers
+        self.http = httpx2.AsyncClient(trust_env=False)  # to upstreams' tokenizers
         self.quotas = Quotas(redis, settings)
+        self._sealer: Sealer | None = None
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
@@ -133,14 +142,10 @@ class ResponseService:
         """Validate, record and enqueue a response (DESIGN.md §2.1); nothing is written on a 400."""
         request = parse_create_request(body)
         assert request.model is not None and request.input is not None
+        if compaction.COMPACT in (request.model_extra or {}):
+            raise InvalidRequestError(f"Unknown parameter: '{compaction.COMPACT}'.", param=compaction.COMPACT)
         route = self.routes.resolve(request.model)
-        own_items = normalize_input(request.input)
-        if len(own_items) > self.settings.max_input_items:
-            raise InvalidRequestError(
-                f"'input' has {len(own_items):,} items; this server accepts at most "
-                f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS).",
-                param="input",
-            )
+        own_items = self._own_items(request)
         await self._check_queue_depth()
         # A stream takes its slot before anything is recorded: refused, it is safe to retry.
         slot = await self.quotas.open_stream(owner) if request.is_stream else None
@@ -153,6 +158,18 @@ class ResponseService:
             return Created(response, request)
         events = self.follow(response["id"], -1, self.settings.sse_heartbeat_seconds)
         return Created(response, request, Stream(events, -1, slot))
+
+    def _own_items(self, request: CreateRequest) -> list[dict[str, Any]]:
+        """The request's input as items, at most RESPOOL_MAX_INPUT_ITEMS of them."""
+        assert request.input is not None
+        own_items = normalize_input(request.input)
+        if len(own_items) > self.settings.max_input_items:
+            raise InvalidRequestError(
+                f"'input' has {len(own_items):,} items; this server accepts at most "
+                f"{self.settings.max_input_items:,} in one request (RESPOOL_MAX_INPUT_ITEMS).",
+                param="input",
+            )
+        return own_items
 
     async def _record(
         self, owner: str, request: CreateRequest, route: Route, own_items: list[dict[str, Any]]
@@ -168,7 +185,9 @@ class ResponseService:
         request, secrets = self._tool_secrets(request)
         response = build_response(request, response_id, int(time.time()), Status.QUEUED)
         self._leave_out_unavailable(route, request, response)
-        _check_translatable(route, request, own_items)
+        sealer = await self._sealer_for(own_items)
+        compaction.check_input(own_items, sealer, owner, native=route.is_native)
+        _check_translatable(route, request, own_items, sealer, owner)
         redis_answers = asyncio.ensure_future(self.redis.ping())
         try:
             # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
@@ -183,13 +202,14 @@ class ResponseService:
                 check_tool_outputs(conversation, len(history.items))
                 # Its items were checked for the kind of upstream its model had; another kind checks them.
                 if history.items and self.routes.native_for(history.model) != route.is_native:
-                    _check_translatable(route, request, history.items)
+                    sealer = await self._sealer_for(history.items)
+                    _check_translatable(route, request, history.items, sealer, owner)
                 row = store.new_row(owner, request, response, conversation, history.depth, on)
                 await redis_answers
                 await store.insert_response(conn, row, own_items)
         finally:
             _discard(redis_answers)
-        await self._enqueue(request, response, secrets)
+        await self._enqueue(owner, request, response, secrets)
         return response
 
     async def _conversation_history(
@@ -208,7 +228,7 @@ class ResponseService:
                 "new conversation, passing what matters as input.",
                 param="conversation",
             )
-        _check_translatable(route, request, items)
+        _check_translatable(route, request, items, await self._sealer_for(items), owner)
         return chains.History(items, 0, None)
 
     def _tool_secrets(self, request: CreateRequest) -> tuple[CreateRequest, bytes | None]:
@@ -252,6 +272,15 @@ class ResponseService:
                 ", ".join(str(tool.get("type")) for _, tool in left_out),
             )
 
+    async def _sealer_for(self, items: list[dict[str, Any]]) -> Sealer | None:
+        """The compaction sealer if `items` hold compaction items (it is loaded on first use)."""
+        return await self.sealer() if compaction.has_compaction(items) else None
+
+    async def sealer(self) -> Sealer:
+        if self._sealer is None:
+            self._sealer = await compaction_sealer(self.engine, self.settings.compaction_keys)
+        return self._sealer
+
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
         return int(await self.redis.llen(self.queue.key))
@@ -267,7 +296,9 @@ class ResponseService:
                 f"respool has {depth} responses waiting, its limit (RESPOOL_MAX_QUEUE_DEPTH); retry shortly."
             )
 
-    async def _enqueue(self, request: CreateRequest, response: dict[str, Any], secrets: bytes | None) -> None:
+    async def _enqueue(
+        self, owner: str, request: CreateRequest, response: dict[str, Any], secrets: bytes | None
+    ) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
         if request.is_background:
@@ -279,16 +310,20 @@ class ResponseService:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
             log.error("response %s: enqueue failed: %s", response["id"], exc)
-            await self._fail_unqueued(response)
+            await self._fail_unqueued(owner, response)
             raise UnavailableAfterCommitError(
                 f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
                 "queued, and has been marked failed. Retry the request shortly."
             ) from exc
 
-    async def _fail_unqueued(self, response: dict[str, Any]) -> None:
+    async def _fail_unqueued(self, owner: str, response: dict[str, Any]) -> None:
         try:
+            delivery_ids: list[str] = []
             async with self.engine.begin() as conn:
-                await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
+                won = await store.mark_failed(conn, response["id"], {**response, "status": "failed"})
+                if won:  # a background one's owner is told (the sweep queues it: Redis is away)
+                    delivery_ids = await self.notifier.record(conn, response["id"], owner, Status.FAILED)
+            await self.notifier.send(delivery_ids)
         except Exception as exc:
             if not is_postgres_outage(exc):
                 raise
@@ -300,6 +335,53 @@ class ResponseService:
     async def input_tokens(self, owner: str, body: object) -> tuple[dict[str, Any], str]:
         """`POST /responses/input_tokens`: how many tokens the input of a create with this body would
         be, counted as `token_count` says; and how it was counted."""
+        request, route, items = await self._window(owner, body)
+        plain = request.model_dump(exclude_unset=True)
+        model = route.upstream_model or route.model
+        if route.is_native:
+            sent = native.to_responses_request(plain, items, model)
+        else:
+            sent = chat_request.to_chat_request(plain, items, model)
+        counted = await token_count.count(self.http, route, sent)
+        return {"object": "response.input_tokens", "input_tokens": counted.tokens}, counted.how
+
+    async def compact(self, owner: str, body: object) -> dict[str, Any]:
+        """`POST /responses/compact`: the window a create with this body would send, compacted (its
+        user messages, then one compaction item; worker/protocol/compaction.py).
+
+        It runs as a response of its own that is not stored (`compaction.COMPACT` marks its request):
+        recorded and queued like any, so a worker (which holds the upstream's keys) makes it, on the
+        upstream's own `/responses/compact` or with a summary, and a dead worker's is taken over.
+        """
+        given: object = body
+        if isinstance(body, dict):
+            given = {key: body[key] for key in _COMPACT_PARAMS if key in body}
+            given.setdefault("input", [])
+            given.update(store=False, stream=False, background=False)
+            given[compaction.COMPACT] = True
+        request = parse_create_request(given)
+        assert request.model is not None and request.input is not None
+        route = self.routes.resolve(request.model)
+        own_items = self._own_items(request)
+        await self._check_queue_depth()
+        response = await self._record(owner, request, route, own_items)
+        final = await self.wait(response["id"])
+        if final.get("status") != "completed":
+            error = final.get("error") or {}
+            raise UpstreamFailedError(
+                str(error.get("message") or f"The compaction ended {final.get('status')}.")
+            )
+        return {
+            "id": final["id"],
+            "object": "response.compaction",
+            "created_at": final["created_at"],
+            "output": final["output"],
+            "usage": final.get("usage") or native.usage_of({}),
+        }
+
+    async def _window(self, owner: str, body: object) -> tuple[CreateRequest, Route, list[dict[str, Any]]]:
+        """The request a body without `input` still makes (for counting and compacting), its route,
+        and the items a create with it would send the model (earlier turns first, expanded)."""
         given = dict(body) if isinstance(body, dict) else body
         if isinstance(given, dict):
             given.setdefault("input", [])
@@ -315,15 +397,11 @@ class ResponseService:
                 on = conversation_id(request.conversation)
                 history = await self._conversation_history(conn, owner, on, route, request)
         items = history.items + own_items
+        sealer = await self._sealer_for(items)
+        compaction.check_input(own_items, sealer, owner, native=route.is_native)
+        items = compaction.expand(items, sealer, owner)
         _check_translatable(route, request, items)
-        plain = request.model_dump(exclude_unset=True)
-        model = route.upstream_model or route.model
-        if route.is_native:
-            sent = native.to_responses_request(plain, items, model)
-        else:
-            sent = chat_request.to_chat_request(plain, items, model)
-        counted, how = await token_count.count(self.http, route, sent)
-        return {"object": "response.input_tokens", "input_tokens": counted}, how
+        return request, route, items
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
         """The Response as it stands (PROTOCOL.md §6.3 polling)."""
@@ -486,7 +564,14 @@ def _discard(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _check_translatable(route: Route, request: CreateRequest, items: list[dict[str, Any]]) -> None:
-    """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a worker."""
+def _check_translatable(
+    route: Route,
+    request: CreateRequest,
+    items: list[dict[str, Any]],
+    sealer: Sealer | None = None,
+    owner: str = "",
+) -> None:
+    """Reject at create what the upstream cannot be sent (a 400 naming `param`), not later in a
+    worker: the items as the model will be sent them (compaction items expanded)."""
     if not route.is_native:
-        chat_request.check(request.model_dump(exclude_unset=True), items)
+        chat_request.check(request.model_dump(exclude_unset=True), compaction.expand(items, sealer, owner))

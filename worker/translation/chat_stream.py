@@ -242,3 +242,18 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": int(reasoning or 0)},
         "total_tokens": int(usage.get("total_tokens") or input_tokens + output_tokens),
     }
+
+
+def add_usage(total: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage over several upstream calls (a tool loop's turns, a compaction): every count summed."""
+    if more is None:
+        return total
+    if total is None:
+        return dict(more)
+    summed: dict[str, Any] = {}
+    for key, value in more.items():
+        if isinstance(value, dict):
+            summed[key] = {k: int(total.get(key, {}).get(k, 0)) + int(v) for k, v in value.items()}
+        else:
+            summed[key] = int(total.get(key) or 0) + int(value or 0)
+    return summed

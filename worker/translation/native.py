@@ -69,6 +69,7 @@ _NOT_FORWARDED = {
     "stream_options",
     "metadata",
     "input",
+    "context_management",  # respool compacts (worker/runner/compacting.py)
 }
 _IGNORED = {"response.created", "response.queued", "response.in_progress", "keepalive"}
 _DONE = {"response.completed", "response.incomplete"}
@@ -172,7 +173,7 @@ def translate_event(state: NativeStream, event: dict[str, Any]) -> list[EventBod
         state.outcome = _outcome(state, event.get("response") or {})
         return []
     if kind in {"response.failed", "error"}:
-        raise UpstreamStreamError(_failure_message(event))
+        raise UpstreamStreamError(failure_message(event))
     handler = _HANDLERS.get(kind)
     if handler is not None:
         return handler(state, event)
@@ -420,11 +421,11 @@ def _outcome(state: NativeStream, response: dict[str, Any]) -> Outcome:
         if incomplete
         else None,
         output=[],  # respool's own, made by finish_stream
-        usage=_usage(response.get("usage")),
+        usage=usage_of(response.get("usage")),
     )
 
 
-def _usage(usage: Any) -> dict[str, Any] | None:
+def usage_of(usage: Any) -> dict[str, Any] | None:
     """The upstream's usage with every int PROTOCOL.md §1.4 requires (OpenAI omits `cache_write_tokens`)."""
     if not isinstance(usage, dict):
         return None
@@ -441,6 +442,6 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     }
 
 
-def _failure_message(event: dict[str, Any]) -> str:
+def failure_message(event: dict[str, Any]) -> str:
     error = (event.get("response") or {}).get("error") or event.get("error") or event
     return str(error.get("message") or "the upstream reported a failure")

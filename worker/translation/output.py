@@ -37,6 +37,7 @@ CUSTOM_CALL = "custom_tool_call"
 MCP_CALL = "mcp_call"
 MCP_APPROVAL = "mcp_approval_request"
 WEB_SEARCH = "web_search_call"
+COMPACTION = "compaction"
 # The item types whose arguments are a call's: told as deltas (function and MCP calls), at once
 # (custom tool calls, approval requests), or in their action (web searches).
 CALLS = frozenset({"function_call", CUSTOM_CALL, MCP_CALL, MCP_APPROVAL, WEB_SEARCH})
@@ -253,6 +254,38 @@ def open_other(out: Output, key: Hashable, body: dict[str, Any]) -> list[EventBo
     item.body = dict(body)
     out.side[key] = item
     return [*events, item_event("added", item)]
+
+
+def open_compaction(out: Output) -> list[EventBody]:
+    """Start a compaction item (respool compacting the conversation), after whatever was open; its
+    `encrypted_content` is told when it ends (`end_compaction`)."""
+    events = close_current(out)
+    item = _new_item(out, {"id": new_item_id(COMPACTION), "type": COMPACTION})
+    item.body = {"encrypted_content": ""}
+    out.side[COMPACTION] = item
+    return [*events, item_event("added", item)]
+
+
+def compacting(out: Output) -> list[EventBody]:
+    """More of the open compaction's summary was sampled (the event carries none of it)."""
+    item = out.side.get(COMPACTION)
+    return [{"type": "response.compaction.compacting", **address(item)}] if item else []
+
+
+def end_compaction(out: Output, content: str) -> tuple[dict[str, Any], list[EventBody]]:
+    """The open compaction item, done with its sealed `content`; and its events."""
+    item = out.side.pop(COMPACTION)
+    assert item.body is not None
+    item.body["encrypted_content"] = content
+    item.status = "completed"
+    return item_body(item), [item_event("done", item)]
+
+
+def add_whole(out: Output, body: dict[str, Any]) -> list[EventBody]:
+    """An item given whole (an upstream compaction's output, a user message it keeps): added and
+    done at once, under an id of its own kind."""
+    key = ("whole", len(out.items))
+    return [*open_other(out, key, body), *close_side(out, key)]
 
 
 def update_fields(item: Item, fields: dict[str, Any]) -> None:
@@ -489,6 +522,8 @@ def _summary_event(kind: str, item: Item) -> EventBody:
 
 def item_body(item: Item) -> dict[str, Any]:
     """The item as it stands (PROTOCOL.md §1.5)."""
+    if item.type == COMPACTION:  # the SDK's compaction item has no status
+        return {**(item.body or {}), "id": item.id, "type": item.type}
     if item.body is not None:  # the upstream's status words differ per hosted tool: its own win
         return {"status": item.status, **item.body, "id": item.id, "type": item.type}
     body = {**item.fields}

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
 from redis import Redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
 from tests.conftest import make_sdk, own_stack
 from tests.support.faults import (
@@ -270,3 +273,78 @@ def test_a_conversation_gets_each_response_once_whatever_dies(lab: Lab) -> None:
     assert sorted(texts[1:]) == sorted([f"q{n}" for n in range(5)] + [text] * 5)
     for response_id in created:
         check_ended(lab.sdk, response_id)
+
+
+def test_an_api_killed_mid_create_leaves_each_response_on_its_conversation_once(
+    lab: Lab, backing: Servers
+) -> None:
+    """An API killed -9 while creates on one conversation are in flight: whatever each had reached
+    (nothing recorded; recorded but not queued; queued, its client never told), every response
+    recorded on the conversation ends, and the conversation holds the input and output of each that
+    completed exactly once, and nothing of the others (DESIGN.md §11)."""
+    conversation = lab.sdk.conversations.create()
+    talking = f"{lab.model}-mid-create"
+    lab.upstream.script(talking, {"text": "the answer"})
+    lab.start("steady")
+    doomed_url = lab.stack.start_api("api-doomed")
+
+    def create(n: int) -> str | None:
+        with make_sdk(doomed_url, "unused") as doomed:
+            try:
+                return doomed.responses.create(
+                    model=talking, input=f"q{n}", conversation=conversation.id, background=True
+                ).id
+            except (openai.APIConnectionError, openai.InternalServerError):
+                return None  # the API died under it
+
+    with ThreadPoolExecutor(32) as pool:  # many creates in flight, at every step, when the API dies
+        answers = [pool.submit(create, n) for n in range(120)]
+        wait_for(lambda: len(_on_conversation(backing, conversation.id)) >= 20, timeout=60, what="creates")
+        signal_process(lab.stack, "api-doomed", KILL)
+        answered = {future.result() for future in answers} - {None}
+    recorded = _on_conversation(backing, conversation.id)
+    assert answered <= set(recorded) and len(answered) < 120  # some creates were cut
+    statuses = wait_until_ended(lab.sdk, recorded, timeout=180)
+    completed = {rid for rid, status in statuses.items() if status == "completed"}
+    inputs = {rid: lab.sdk.responses.input_items.list(rid).data[0].content[0].text for rid in recorded}  # type: ignore[union-attr]
+    # Iterating the page follows its cursor through every page.
+    items = list(lab.sdk.conversations.items.list(conversation.id, order="asc", limit=100))
+    texts = [part.text for item in items for part in item.content]  # type: ignore[union-attr]
+    assert len({item.id for item in items}) == len(items) == 2 * len(completed)
+    assert sorted(text for text in texts if text != "the answer") == sorted(inputs[rid] for rid in completed)
+    assert texts.count("the answer") == len(completed)
+    ended = sorted(statuses.values())
+    print(f"API killed mid-create: {len(recorded)} recorded, {len(answered)} answered; ended {ended}")
+
+
+def _on_conversation(backing: Servers, conversation_id: str) -> list[str]:
+    engine = create_engine(backing.database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT id FROM response WHERE conversation_id = :c"), {"c": conversation_id}
+            )
+            return list(found.scalars())
+    finally:
+        engine.dispose()
+
+
+def test_a_worker_killed_inside_rqs_registry_cleaning_does_not_stall_takeovers(lab: Lab) -> None:
+    """RQ cleans a queue's registries under a lock that lives 15 minutes and is released when the
+    cleaning ends: a worker killed -9 inside it leaves the lock behind (as a stale key here). Its
+    responses are still taken over within seconds: respool handles abandoned jobs under a lock of
+    its own, which lapses with the maintenance period."""
+    talking = f"{lab.model}-stale-lock"
+    text = " ".join(f"w{n}" for n in range(40))
+    lab.upstream.script(talking, {"text": text, "delay": 0.1})
+    doomed = lab.start("doomed")
+    created = lab.create(talking, 3)
+    lab.held_by(created, doomed)
+    lab.streamed(created)
+    queue = lab.stack.env["RESPOOL_QUEUE"]
+    for name in (queue, f"{queue}-webhooks"):
+        lab.redis.set(f"rq:clean_registries:{name}", 1, ex=899)  # what a kill inside cleaning leaves
+    signal_process(lab.stack, "doomed", KILL)
+    lab.start("survivor")
+    statuses = wait_until_ended(lab.sdk, created, timeout=60)
+    assert set(statuses.values()) == {"completed"}  # nobody saw their output: each ran again

@@ -8,9 +8,11 @@ would end the orphans first (and the counts these tests assert would be theirs).
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterator
 
+import openai
 import pytest
 from redis import Redis
 from rq.job import Job, JobStatus
@@ -19,9 +21,12 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from tests.support.stack import Servers, _fresh_database
+from tests.support.webhook_receiver import Receiver
+from worker.postgres import deliveries
 from worker.postgres.migrate import migrate
 from worker.postgres.store import async_url
 from worker.queue import job_statuses, response_queue
+from worker.runner.deliveries import Deliverer
 from worker.runner.recovery import end_orphans
 from worker.runner.runtime import close_runtime, open_runtime
 from worker.settings import Settings
@@ -151,3 +156,32 @@ async def test_in_progress_orphans_are_all_ended_in_one_sweep_whatever_the_queue
     _insert_live(settings.database_url, "in_progress", in_progress)
     assert await _sweep(backing, settings, pages=1) == 5
     assert _statuses(settings.database_url, in_progress) == dict.fromkeys(in_progress, "failed")
+
+
+async def test_an_orphan_the_sweep_ends_tells_its_owner_once(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background orphan ended by the sweep records one `response.failed` delivery in the same
+    transaction (a second sweep adds none), which a worker's attempt delivers, signed."""
+    secret = "whsec_" + base64.b64encode(b"sweep").decode()
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", secret)
+    orphan = f"resp_{settings.queue.replace('-', '')}orphan"
+    _insert_live(settings.database_url, "queued", [orphan])
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(
+            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
+        )
+        assert await _sweep(backing, hooked, pages=4) == 1
+        assert await _sweep(backing, hooked, pages=4) == 0
+        rt = await open_runtime(hooked, "test:deliver", 1)
+        deliverer = Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        try:
+            async with rt.engine.connect() as conn:
+                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+            await deliverer.deliver(delivery_id)
+        finally:
+            await deliverer.close()
+            await close_runtime(rt)
+        (got,) = receiver.deliveries
+    event = openai.OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
+    assert (event.type, event.data.id, event.id) == ("response.failed", orphan, delivery_id)

@@ -1,0 +1,200 @@
+"""Sending webhook deliveries (DESIGN.md §12): one attempt per job of the deliveries' queue, and the
+sweep that queues the attempts that are due.
+
+An attempt: the delivery is read (nothing if it is no longer pending and due); it waits up to
+`BUSY_WAIT_SECONDS` for one of its endpoint's `endpoint_concurrency` slots in this process, else it
+is put off a second (no attempt counted: a slow receiver holds its own deliveries back, and others'
+only for that wait); then it is claimed (a compare-and-set that holds it for the attempt's length,
+so no other job tries it meanwhile), signed with each of the endpoint's secrets (read from the environment now) and POSTed
+(connect and read timeouts; no redirects; the outbound rule, DESIGN.md §13). A 2xx acknowledges
+it. Anything else is recorded and tried again after the retry policy's backoff (the receiver's
+`retry-after` on 429 and 503), until `max_age` after the event, then given up.
+
+The sweep (each worker's maintenance) queues pending deliveries to the endpoints it configures that
+are due and have no live job: the retries, and the first attempts whose queuing was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+
+import httpx2
+from rq.job import JobStatus
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker.errors import ConfigError, OutboundRefusedError
+from worker.outbound import OutboundPolicy, guard_transport
+from worker.postgres import deliveries
+from worker.postgres.deliveries import Delivery
+from worker.protocol.webhooks import Endpoint, RetryPolicy, check_secrets, headers
+from worker.runner.metrics import WorkerMetrics
+from worker.settings import Settings
+from worker.webhooks import Notifier
+
+log = logging.getLogger("respool.webhooks")
+
+BUSY_WAIT_SECONDS = 2.0  # how long a delivery waits for its endpoint's slot here
+BUSY_SECONDS = 1.0  # how long it is then put off
+SWEEP_BATCH = 500
+_HELD = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
+
+
+class Deliverer:
+    """One per worker process: the attempts it runs, and the client they go out on."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        notifier: Notifier,
+        policy: OutboundPolicy,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.notifier = notifier
+        self.endpoints: dict[str, Endpoint] = {endpoint.name: endpoint for endpoint in notifier.endpoints}
+        for endpoint in self.endpoints.values():  # a worker that cannot sign says so at start
+            try:
+                check_secrets(os.environ.get(endpoint.secret_env, ""), endpoint.secret_env)
+            except ValueError as exc:
+                raise ConfigError(f"webhook endpoint '{endpoint.name}': {exc}") from exc
+        self.metrics = metrics
+        self.retry = RetryPolicy(
+            settings.webhook_backoff_seconds,
+            settings.webhook_backoff_max_seconds,
+            settings.webhook_max_age_seconds,
+        )
+        self.endpoint_concurrency = settings.webhook_endpoint_concurrency
+        self.timeout = settings.webhook_timeout_seconds
+        # An attempt's whole length, at most (httpx's timeouts bound each phase, not their sum), and
+        # how long a claim holds the delivery: past it, an attempt whose worker died is retried.
+        self.attempt_seconds = settings.webhook_connect_seconds + 2 * settings.webhook_timeout_seconds
+        self.hold_seconds = self.attempt_seconds + 5
+        self.slots: dict[str, asyncio.Semaphore] = {}  # attempts that may run at once, by endpoint
+        transport = guard_transport(httpx2.AsyncHTTPTransport(trust_env=False), policy)
+        timeout = httpx2.Timeout(settings.webhook_timeout_seconds, connect=settings.webhook_connect_seconds)
+        self.http = httpx2.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def deliver(self, delivery_id: str) -> None:
+        """One attempt of the delivery (module docstring)."""
+        async with self.engine.connect() as conn:
+            found = await deliveries.get(conn, delivery_id)
+            if found is None:
+                return
+            if found.endpoint not in self.endpoints:  # a deployment that shares the database
+                log.warning("webhook %s: endpoint %s is not configured here", delivery_id, found.endpoint)
+                return
+        slots = self.slots.setdefault(found.endpoint, asyncio.Semaphore(self.endpoint_concurrency))
+        try:
+            await asyncio.wait_for(slots.acquire(), BUSY_WAIT_SECONDS)
+        except TimeoutError:  # its endpoint is slow: try later, and let other endpoints' go first
+            async with self.engine.begin() as conn:
+                await deliveries.postpone(conn, delivery_id, BUSY_SECONDS)
+            return
+        try:
+            await self._attempt(delivery_id)
+        finally:
+            slots.release()
+
+    async def _attempt(self, delivery_id: str) -> None:
+        async with self.engine.begin() as conn:
+            delivery = await deliveries.claim(conn, delivery_id, self.hold_seconds)
+        if delivery is None:
+            return  # another attempt took it meanwhile
+        started = time.monotonic()
+        code, error, retry_after = await self._post(delivery)
+        duration_ms = int((time.monotonic() - started) * 1000)
+        retry_in = None
+        if error is not None:
+            self.metrics.webhook_failures.inc()
+            wait = self.retry.backoff(delivery.attempts, retry_after)
+            age = (datetime.now(tz=UTC) - delivery.created_at).total_seconds()
+            retry_in = wait if age + wait <= self.retry.max_age_seconds else None
+        async with self.engine.begin() as conn:
+            status = await deliveries.finish_attempt(
+                conn, delivery, status_code=code, error=error, duration_ms=duration_ms, retry_in=retry_in
+            )
+        if status == "delivered":
+            self.metrics.webhooks_sent.inc()
+            latency = (datetime.now(tz=UTC) - delivery.created_at).total_seconds()
+            self.metrics.webhook_latency.observe(max(latency, 0.0))
+        elif status == "given_up":
+            self.metrics.webhooks_given_up.inc()
+            log.warning(
+                "webhook %s (%s) to endpoint %s given up after %d attempts: %s",
+                delivery.id, delivery.event_type, delivery.endpoint, delivery.attempts, error,
+            )  # fmt: skip
+        else:
+            log.info(
+                "webhook %s to endpoint %s: attempt %d failed (%s); next in %.1f s",
+                delivery.id, delivery.endpoint, delivery.attempts, error, retry_in or 0.0,
+            )  # fmt: skip
+
+    async def _post(self, delivery: Delivery) -> tuple[int | None, str | None, float | None]:
+        """The receiver's status code, the error (None when it acknowledged) and its retry-after."""
+        endpoint = self.endpoints.get(delivery.endpoint)
+        if endpoint is None:
+            return None, f"endpoint '{delivery.endpoint}' is no longer configured", None
+        try:
+            secrets = check_secrets(os.environ.get(endpoint.secret_env, ""), endpoint.secret_env)
+        except ValueError as exc:
+            return None, str(exc), None
+        sent = headers(delivery.id, delivery.body, secrets)
+        try:
+            async with asyncio.timeout(self.attempt_seconds):
+                reply = await self.http.post(delivery.url, content=delivery.body.encode(), headers=sent)
+        except (httpx2.TimeoutException, TimeoutError):
+            return None, f"no answer within {self.timeout:g} s", None
+        except (httpx2.HTTPError, OutboundRefusedError) as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, OutboundRefusedError) else exc
+            reason = (
+                cause.message if isinstance(cause, OutboundRefusedError) else f"{type(exc).__name__}: {exc}"
+            )
+            return None, f"could not reach the endpoint: {reason}", None
+        if 200 <= reply.status_code < 300:
+            return reply.status_code, None, None
+        retry_after = (
+            _retry_after(reply.headers.get("retry-after")) if reply.status_code in (429, 503) else None
+        )
+        return reply.status_code, f"the endpoint answered {reply.status_code}", retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+async def queue_due(
+    engine: AsyncEngine,
+    notifier: Notifier,
+    statuses: Callable[[Sequence[str]], dict[str, JobStatus | None]],
+    max_age_seconds: float,
+) -> int:
+    """Queue an attempt of every pending delivery to an endpoint this process configures that is
+    due and has no live job; give up those past `max_age_seconds` that nobody sends. How many were
+    queued."""
+    names = [endpoint.name for endpoint in notifier.endpoints]
+    async with engine.begin() as conn:
+        if await deliveries.give_up_expired(conn, max_age_seconds):
+            log.warning(
+                "webhook deliveries past RESPOOL_WEBHOOK_MAX_AGE_SECONDS that nobody sent were given up"
+            )
+        due = await deliveries.due(conn, names, SWEEP_BATCH) if names else []
+    if not due:
+        return 0
+    held = await asyncio.to_thread(statuses, due)
+    lost = [delivery_id for delivery_id in due if held.get(delivery_id) not in _HELD]
+    await notifier.send(lost)
+    return len(lost)
