@@ -23,7 +23,7 @@ from typing import Any
 import uvloop
 from redis import Redis as SyncRedis
 from redis.exceptions import RedisError
-from rq.exceptions import StopRequested
+from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -62,7 +62,7 @@ class ResponseWorker(BaseWorker):
         queue = response_queue(connection, settings.queue)
         self._deliveries = delivery_queue(connection, settings.queue)
         super().__init__(
-            [queue, self._deliveries],
+            [queue],
             connection=connection,
             serializer=JSONSerializer,
             worker_ttl=max(30, settings.registry_seconds * 3),
@@ -85,6 +85,12 @@ class ResponseWorker(BaseWorker):
         self._deliverer = Deliverer(settings, rt.engine, rt.notifier, rt.outbound, rt.metrics)
         if settings.worker_metrics_port:
             self._runtime.metrics.serve(settings.worker_metrics_port)
+        # Deliveries are popped by a thread of their own: RQ pops two queues with BLPOP, which
+        # moves no job into an intermediate list, so a job popped by a worker killed before it
+        # started would be lost. One queue per pop is a BLMOVE, which RQ's maintenance recovers.
+        self._closing = threading.Event()
+        self._delivery_thread = threading.Thread(target=self._take_deliveries, name="deliveries", daemon=True)
+        self._delivery_thread.start()
         self._background = [
             self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
             self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),
@@ -110,27 +116,19 @@ class ResponseWorker(BaseWorker):
         While Redis is unreachable, wait for it: RQ's own loop would quit on the error.
         """
         while True:
-            free = self._wait_for_slot()  # a slot of each queue that has one free
-            self._ordered_queues = [queue for queue in self.queues if queue.name in free]
+            self._wait_for_slot()
             try:
-                # One blocking pop at most: then the free slots are looked at again, or a queue
-                # whose slots were all taken would not be listened to once one is given back.
-                idle = timeout if max_idle_time is None else max_idle_time
-                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(timeout, idle)
+                result: tuple[Job, Queue] | None = super().dequeue_job_and_maintain_ttl(
+                    timeout, max_idle_time
+                )
             except BaseException as exc:
-                for slots in free.values():
-                    slots.release()
+                self._slots.release()
                 if not is_redis_outage(exc):
                     raise
                 self._wait_for_redis(exc)
                 continue
-            for name, slots in free.items():  # keep the slot of the job's queue only
-                if result is None or result[1].name != name:
-                    slots.release()
-            if result is None and timeout is not None and max_idle_time is None:
-                if self._stop_requested:
-                    raise StopRequested()
-                continue  # idle for one pop: listen again, to the queues with free slots
+            if result is None:
+                self._slots.release()
             return result
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -189,6 +187,9 @@ class ResponseWorker(BaseWorker):
         intermediate queue), sent in one round trip where RQ sends three: this worker runs many
         jobs at once, so it never flips its own state to busy and back for one.
         """
+        self._start(job, queue)
+
+    def _start(self, job: Job, queue: Queue) -> None:
         ttl = self.get_heartbeat_ttl(job)
         with self.connection.pipeline() as pipe:
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
@@ -209,6 +210,8 @@ class ResponseWorker(BaseWorker):
 
     def teardown(self) -> None:
         """Let running responses finish (up to the drain deadline), then close the loop."""
+        self._closing.set()  # no delivery is taken from here on
+        self._delivery_thread.join(timeout=self.dequeue_timeout + 5)
         self._drain(self._settings.drain_seconds)
         for task in self._background:
             task.cancel()
@@ -220,18 +223,40 @@ class ResponseWorker(BaseWorker):
 
     # Internals -----------------------------------------------------------------------------
 
-    def _wait_for_slot(self) -> dict[str, threading.Semaphore]:
-        """A slot of each queue that has one free, once one has: by queue name."""
-        pools = {self.queues[0].name: self._slots, self._deliveries.name: self._delivery_slots}
-        while True:
-            free = {name: slots for name, slots in pools.items() if slots.acquire(blocking=False)}
-            if free:
-                return free
-            if self._slots.acquire(timeout=0.5):
-                return {self.queues[0].name: self._slots}
+    def _wait_for_slot(self) -> None:
+        while not self._slots.acquire(timeout=1.0):
             self.heartbeat()
             if self._stop_requested:
                 raise StopRequested()
+
+    def _take_deliveries(self) -> None:
+        """Pop the webhook queue whenever a delivery slot is free, until the worker stops."""
+        while not (self._closing.is_set() or self._stop_requested):
+            if not self._delivery_slots.acquire(timeout=1.0):
+                continue
+            try:
+                result = Queue.dequeue_any(
+                    [self._deliveries], self.dequeue_timeout, self.connection, serializer=JSONSerializer
+                )
+            except DequeueTimeout:
+                result = None
+            except Exception as exc:
+                self._delivery_slots.release()
+                if is_outage(exc):
+                    log.warning("webhook queue unreachable (%s); waiting for it", type(exc).__name__)
+                else:
+                    log.exception("popping the webhook queue failed; retrying")
+                self._closing.wait(self._settings.maintenance_seconds)
+                continue
+            if result is None:
+                self._delivery_slots.release()
+                continue
+            try:
+                self._start(*result)
+            except Exception:
+                # Left in the intermediate list: RQ's maintenance hands it back (DESIGN.md §12).
+                self._delivery_slots.release()
+                log.exception("delivery %s: starting it failed", result[0].id)
 
     async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
         is_delivery = queue.name == self._deliveries.name
@@ -329,7 +354,7 @@ class ResponseWorker(BaseWorker):
         is left), under a lock of respool's that lapses with the maintenance period. RQ's own runs
         under a lock that lives 15 minutes, which a worker killed while holding it leaves behind: no
         response of its queue would be taken over meanwhile."""
-        for queue in self.queues:
+        for queue in (*self.queues, self._deliveries):
             queue.started_job_registry.cleanup(exception_handlers=self._exc_handlers)
             queue.intermediate_queue.cleanup(self, queue)
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 from redis import Redis
+from rq.intermediate_queue import IntermediateQueue
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
@@ -348,3 +350,41 @@ def test_a_worker_killed_inside_rqs_registry_cleaning_does_not_stall_takeovers(l
     lab.start("survivor")
     statuses = wait_until_ended(lab.sdk, created, timeout=60)
     assert set(statuses.values()) == {"completed"}  # nobody saw their output: each ran again
+
+
+def _blocked_pops(redis: Redis, pid: int) -> int:
+    """How many of process `pid`'s Redis connections wait in a blocking pop."""
+    ports = {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.raddr}
+    return sum(
+        1
+        for client in redis.client_list()
+        if int(client["addr"].rsplit(":", 1)[1]) in ports and "b" in client["flags"]
+    )
+
+
+def test_a_job_popped_by_a_worker_killed_before_it_started_it_is_run(lab: Lab) -> None:
+    """A worker frozen while both its pops (responses, webhooks) wait is handed a job anyway (Redis
+    serves a blocking pop on its side), and is killed -9 before it starts it. The job is in RQ's
+    intermediate list, not lost: the survivor's maintenance hands it back once RQ's minute has passed
+    (aged here: that is time) and the response completes."""
+    lab.start("doomed")
+    pid = lab.stack.processes["doomed"].pid
+
+    def frozen_while_popping() -> bool:
+        signal_process(lab.stack, "doomed", STOP)
+        if _blocked_pops(lab.redis, pid) == 2:
+            return True
+        signal_process(lab.stack, "doomed", CONT)  # between two pops: try again
+        time.sleep(0.3)
+        return False
+
+    wait_for(frozen_while_popping, timeout=30, what="the worker frozen inside both its blocking pops")
+    (response_id,) = lab.create(lab.model, 1)
+    queue = IntermediateQueue(f"rq:queue:{lab.stack.env['RESPOOL_QUEUE']}", lab.redis)
+    wait_for(lambda: response_id in queue.get_job_ids(), what="the job popped by the frozen worker")
+    signal_process(lab.stack, "doomed", KILL)
+    lab.start("survivor")
+    wait_for(lambda: lab.redis.exists(queue.get_first_seen_key(response_id)), what="RQ to note the job")
+    lab.redis.set(queue.get_first_seen_key(response_id), time.time() - 120)
+    statuses = wait_until_ended(lab.sdk, [response_id], timeout=60)
+    assert statuses == {response_id: "completed"}
