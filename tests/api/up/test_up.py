@@ -53,6 +53,18 @@ def _api_replicas(path: Path) -> list[int]:
     ]
 
 
+def _none_left(path: Path, timeout: float) -> None:
+    """Wait until no process uses `path`; else fail naming those left."""
+    try:
+        wait_for(lambda: not _processes_using(path), timeout=timeout, what="no process left")
+    except AssertionError:
+        left = {
+            pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            for pid in _processes_using(path)
+        }
+        raise AssertionError(f"processes left after {timeout} s: {left}") from None
+
+
 def _up(
     data_dir: Path, port: int, *, api_replicas: int = 2, console: Path | None = None, **env: str
 ) -> subprocess.Popen[bytes]:
@@ -138,13 +150,13 @@ def test_up_serves_stops_cleanly_and_keeps_data(tmp_path: Path, request: pytest.
     ):
         assert expected in output, expected
     assert " rq." not in output and " alembic." not in output, output
-    wait_for(lambda: not _processes_using(tmp_path), timeout=10, what="no process left")
+    _none_left(tmp_path, timeout=10)
 
     process = _up(tmp_path, port)
     wait_for(lambda: _listening(url, process), timeout=90, what="respool up to listen again")
     assert client.responses.retrieve(created.id).output_text == done.output_text
     _interrupt(process)
-    wait_for(lambda: not _processes_using(tmp_path), timeout=10, what="no process left")
+    _none_left(tmp_path, timeout=10)
 
 
 @pytest.mark.faults
@@ -185,7 +197,7 @@ def test_a_killed_worker_is_started_again_and_every_response_ends(
     assert process.wait(timeout=60) == 1
     said = "the embedded Redis exited (killed by SIGKILL); respool cannot run without it; stopping everything"
     assert said in console.read_text()
-    wait_for(lambda: not _processes_using(tmp_path), timeout=30, what="no process left")
+    _none_left(tmp_path, timeout=30)
 
 
 @pytest.mark.faults
@@ -208,7 +220,7 @@ def test_responses_in_flight_when_up_is_killed_complete_after_a_restart(
 
     process.kill()
     process.wait()
-    wait_for(lambda: not _processes_using(tmp_path), timeout=60, what="no process left")
+    _none_left(tmp_path, timeout=60)
     process = _up(tmp_path, port, api_replicas=1, console=console, **SLOW)
     request.addfinalizer(lambda: process.poll() is None and _interrupt(process))
     wait_for(lambda: _listening(url, process), timeout=90, what="respool up to listen again")
