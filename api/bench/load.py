@@ -23,8 +23,12 @@ from typing import Any
 import httpx2
 import orjson
 
+from api.bench.told import KEY as TOLD_KEY
+from api.bench.told import Receiver
+
 TOKEN = b"tok "
 STALL_SECONDS = 1.0
+TOLD_TIMEOUT_SECONDS = 60.0  # a webhook that does not come in this long counts as an error
 _DELTA = b'"response.output_text.delta"'
 _RESPONSE_FAILS = (b"event: error", b'"type":"error"', b'"response.failed"', b'"response.incomplete"')
 
@@ -189,6 +193,7 @@ class Throughput:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     first_error: str | None = None
+    requests: int = 0  # HTTP requests the clients sent (creates and polls)
 
     @property
     def per_second(self) -> float:
@@ -203,12 +208,15 @@ async def short_requests(
     seconds: float,
     model: str,
     poll_seconds: float = 0.05,
+    told: Receiver | None = None,
     on_done: Callable[[], None] = lambda: None,
 ) -> Throughput:
     """As many short requests as complete in `seconds` with `concurrency` clients: foreground (one
-    request each), or background (create, then poll every `poll_seconds` until `completed`)."""
+    request each), or background (create, then poll every `poll_seconds` until `completed`; or,
+    `told` given, wait for the webhook that tells the response ended: api/bench/told.py)."""
     result = Throughput()
-    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    key = TOLD_KEY if told is not None else "bench"
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
     if target.api is Api.CHAT:
         body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
     else:
@@ -219,19 +227,28 @@ async def short_requests(
     async def one() -> None:
         started = time.perf_counter()
         reply = await http.post(url, content=body, headers=headers)
+        result.requests += 1
         status = _status(reply)
         if background:
             response_id = orjson.loads(reply.content).get("id") if reply.status_code == 200 else None
+            if told is not None and response_id and status in ("queued", "in_progress"):
+                try:
+                    async with asyncio.timeout(TOLD_TIMEOUT_SECONDS):
+                        status = (await told.wait(response_id)).removeprefix("response.")
+                except TimeoutError:
+                    status = f"no webhook within {TOLD_TIMEOUT_SECONDS:g} s"
             while status in ("queued", "in_progress") and response_id:
                 await asyncio.sleep(poll_seconds)
                 reply = await http.get(f"{target.url}/responses/{response_id}", headers=headers)
+                result.requests += 1
                 status = _status(reply)
         if status == "completed":
             result.completed += 1
             result.latencies.append(time.perf_counter() - started)
         else:
             result.errors += 1
-            result.first_error = result.first_error or f"HTTP {reply.status_code}: {reply.text[:200]}"
+            said = f"HTTP {reply.status_code}: {reply.text[:200]}" if reply.status_code != 200 else status
+            result.first_error = result.first_error or said
         on_done()
 
     async def user() -> None:

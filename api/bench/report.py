@@ -55,6 +55,13 @@ def rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "streams held (64 tok, 20 ms)": system.get("max_streams_held"),
             "foreground short/s": _get(system, "short", "foreground", "per_second"),
             "background short/s": _get(system, "short", "background", "per_second"),
+            "background short/s, webhooks": _get(system, "short", "webhooks", "per_second"),
+            "background latency p50 (ms)": _get(system, "short", "background", "latency_ms", "p50"),
+            "background latency p50 (ms), webhooks": _get(system, "short", "webhooks", "latency_ms", "p50"),
+            "requests per background response": _get(system, "short", "background", "requests_per_response"),
+            "requests per background response, webhooks": _get(
+                system, "short", "webhooks", "requests_per_response"
+            ),
             "KB per stream, API": _get(system, "memory", "kb_per_stream", "api"),
             "KB per stream, worker": _get(system, "memory", "kb_per_stream", "workers"),
             "KB per stream, LiteLLM": _get(system, "memory", "kb_per_stream", "litellm"),

@@ -31,6 +31,7 @@ from api.bench import scenarios
 from api.bench.load import Api, Target
 from api.bench.procs import Children, start_api, start_upstream, start_worker
 from api.bench.scenarios import Plan, System
+from api.bench.told import Receiver
 from worker.settings import Settings
 
 
@@ -42,6 +43,7 @@ class Respool:
     children: Children
     env: dict[str, str]
     port: int
+    receiver: Receiver  # where its webhooks go (the "webhooks" scenario's owner only)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -80,7 +82,7 @@ def run(
     with _servers(servers) as (redis_url, database_url), _stopping(children):
         upstream_env = {**os.environ}
         _, upstream_url = start_upstream(children, upstream_env)
-        respool = _start_respool(children, redis_url, database_url, upstream_url)
+        respool = _start_respool(children, redis_url, database_url, upstream_url, log_dir)
         litellm = _start_litellm(litellm_path, upstream_url, log_dir)
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -125,7 +127,9 @@ def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _start_respool(children: Children, redis_url: str, database_url: str, upstream_url: str) -> Respool:
+def _start_respool(
+    children: Children, redis_url: str, database_url: str, upstream_url: str, config_dir: Path
+) -> Respool:
     from worker.postgres.migrate import migrate
 
     migrate(database_url)
@@ -138,9 +142,11 @@ def _start_respool(children: Children, redis_url: str, database_url: str, upstre
         "RESPOOL_QUEUE": f"bench-{uuid.uuid4().hex[:8]}",  # given servers may hold other queues
         "RESPOOL_ACCESS_LOG": "false",  # as LiteLLM runs here (api/bench/litellm.py): no line a request
     }
-    for name in ("RESPOOL_CONFIG", "RESPOOL_API_KEYS", "RESPOOL_UPSTREAM_API_KEY", "RESPOOL_MAX_QUEUE_DEPTH"):
+    for name in ("RESPOOL_UPSTREAM_API_KEY", "RESPOOL_MAX_QUEUE_DEPTH", "RESPOOL_WEBHOOK_URL"):
         env.pop(name, None)
-    return Respool(children, env, _free_port())
+    receiver = Receiver(_free_port())
+    receiver.configure(env, config_dir)  # sets RESPOOL_CONFIG, RESPOOL_API_KEYS and the allowlist
+    return Respool(children, env, _free_port(), receiver)
 
 
 def _start_litellm(path: str | None, upstream_url: str, log_dir: Path) -> litellm_.LiteLLM | str:
@@ -198,7 +204,9 @@ async def _measure(
     with _progress() as progress:
         for count in plan.worker_counts:
             name = f"respool ({count} worker{'s' if count > 1 else ''})"
-            mine = System(Target(name, respool.url, Api.RESPONSES), respool.start(count))
+            mine = System(
+                Target(name, respool.url, Api.RESPONSES), respool.start(count), receiver=respool.receiver
+            )
             # The direct upstream and LiteLLM do not change with respool's workers: measured once.
             others = [system for system in systems if not system.result]
             await scenarios.run_all(plan, progress, [*others, mine], direct)

@@ -6,12 +6,14 @@ the same machine at the same moment:
    adds to the direct upstream;
 3. held streams: levels of concurrent streams (64 tokens, 20 ms apart) until a system loses or
    stalls a stream or adds 25 ms or more to the gap p99;
-4. short non-streaming responses per second: foreground, and (respool) background create + poll.
+4. short non-streaming responses per second: foreground, and (respool) background: create + poll,
+   and create + wait for the webhook that tells the response ended (api/bench/told.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from rich.progress import Progress
 
 from api.bench import load, stats
 from api.bench.load import Target
+from api.bench.told import Receiver
 
 HOLD_TOKENS, HOLD_PACE_MS = 64, 20
 MAX_ADDED_GAP_P99_MS = 25.0
@@ -72,6 +75,7 @@ class System:
     target: Target
     processes: dict[str, list[psutil.Process]]
     result: dict[str, Any] = field(default_factory=dict)
+    receiver: Receiver | None = None  # respool's webhooks reach it (the "webhooks" scenario)
 
 
 async def run_all(plan: Plan, progress: Progress, systems: list[System], direct: System) -> None:
@@ -176,20 +180,27 @@ def _previous(levels: tuple[int, ...], level: int) -> int:
 
 async def _short(plan: Plan, progress: Progress, system: System) -> dict[str, Any]:
     model = load.model_name(plan.short_tokens, 0)
-    modes = [False, True] if system.target.name.startswith("respool") else [False]
+    modes = ["foreground"]
+    if system.target.name.startswith("respool"):
+        modes.append("background")  # polling
+    if system.receiver is not None:
+        modes.append("webhooks")
     result: dict[str, Any] = {}
-    for background in modes:
-        kind = "background" if background else "foreground"
+    for kind in modes:
+        background = kind != "foreground"
+        told = system.receiver if kind == "webhooks" else None
         with _step(progress, f"{system.target.name}: short {kind} requests", None) as advance:
-            measured = await load.short_requests(
-                system.target,
-                background=background,
-                concurrency=plan.background_concurrency if background else plan.short_concurrency,
-                seconds=plan.short_seconds,
-                model=model,
-                poll_seconds=plan.poll_seconds,
-                on_done=advance,
-            )
+            async with told.serving() if told is not None else contextlib.nullcontext():
+                measured = await load.short_requests(
+                    system.target,
+                    background=background,
+                    concurrency=plan.background_concurrency if background else plan.short_concurrency,
+                    seconds=plan.short_seconds,
+                    model=model,
+                    poll_seconds=plan.poll_seconds,
+                    told=told,
+                    on_done=advance,
+                )
         result[kind] = {
             "per_second": round(measured.per_second, 1),
             "completed": measured.completed,
@@ -199,7 +210,12 @@ async def _short(plan: Plan, progress: Progress, system: System) -> dict[str, An
                 "p50": _ms(stats.percentile(measured.latencies, 50)),
                 "p99": _ms(stats.percentile(measured.latencies, 99)),
             },
+            "requests_per_response": round(measured.requests / measured.completed, 2)
+            if measured.completed
+            else None,
         }
+        if told is not None:
+            result[kind]["webhooks_refused"] = told.refused  # a signature that did not verify
     return result
 
 

@@ -58,11 +58,14 @@ class Deliverer:
         self.engine = engine
         self.notifier = notifier
         self.endpoints: dict[str, Endpoint] = {endpoint.name: endpoint for endpoint in notifier.endpoints}
-        for endpoint in self.endpoints.values():  # a worker that cannot sign says so at start
+        for endpoint in self.endpoints.values():  # a worker that cannot sign or send says so at start
             try:
                 check_secrets(os.environ.get(endpoint.secret_env, ""), endpoint.secret_env)
+                policy.check_url(endpoint.url)  # a name is checked as it resolves, at each attempt
             except ValueError as exc:
                 raise ConfigError(f"webhook endpoint '{endpoint.name}': {exc}") from exc
+            except OutboundRefusedError as exc:
+                raise ConfigError(f"webhook endpoint '{endpoint.name}': {exc.message}") from exc
         self.metrics = metrics
         self.retry = RetryPolicy(
             settings.webhook_backoff_seconds,

@@ -95,6 +95,9 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
         if name.startswith("respool"):
             assert system["short"]["background"]["completed"] > 0, system["short"]
             assert system["short"]["background"]["errors"] == 0, system["short"]
+            told = system["short"]["webhooks"]  # each client waited for its webhook: no poll
+            assert told["completed"] > 0 and told["errors"] == 0 and told["webhooks_refused"] == 0, told
+            assert told["requests_per_response"] == 1.0, told
             memory = system["memory"]
             assert memory["in_flight_when_measured"] == memory["streams"] == memory["clean"]
             assert set(memory["kb_per_stream"]) == {"api", "workers"}

@@ -9,6 +9,8 @@ would end the orphans first (and the counts these tests assert would be theirs).
 from __future__ import annotations
 
 import base64
+import ipaddress
+import socket
 import uuid
 from collections.abc import Iterator
 
@@ -22,6 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from tests.support.stack import Servers, _fresh_database
 from tests.support.webhook_receiver import Receiver
+from worker.errors import ConfigError
 from worker.postgres import deliveries
 from worker.postgres.migrate import migrate
 from worker.postgres.store import async_url
@@ -185,3 +188,67 @@ async def test_an_orphan_the_sweep_ends_tells_its_owner_once(
         (got,) = receiver.deliveries
     event = openai.OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
     assert (event.type, event.data.id, event.id) == ("response.failed", orphan, delivery_id)
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("http://169.254.169.254/latest/hook", "a link-local or cloud metadata address"),
+        ("http://127.0.0.1:9/hook", "a loopback address"),
+        ("http://10.1.2.3/hook", "a private address"),
+    ],
+)
+async def test_a_webhook_endpoint_at_a_non_public_address_stops_the_worker_at_start(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, url: str, kind: str
+) -> None:
+    """The outbound rule (DESIGN.md §13) holds for the operator's webhook endpoints: one at a cloud
+    metadata, loopback or private address is refused when the worker starts, naming the endpoint and
+    the allowlist entry that would open it; the allowlist opens it."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"ssrf").decode())
+    hooked = settings.model_copy(update={"webhook_url": url})
+    rt = await open_runtime(hooked, "test:ssrf", 1)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        assert f"webhook endpoint 'default': '{url.split('/')[2].split(':')[0]}' is {kind}" in str(refused.value)
+        assert "RESPOOL_OUTBOUND_ALLOWLIST" in str(refused.value)
+    finally:
+        await close_runtime(rt)
+    opened = hooked.model_copy(update={"outbound_allowlist": url.split("/")[2].split(":")[0]})
+    rt = await open_runtime(opened, "test:ssrf", 1)
+    try:
+        await Deliverer(opened, rt.engine, rt.notifier, rt.outbound, rt.metrics).close()
+    finally:
+        await close_runtime(rt)
+
+
+async def test_a_webhook_endpoint_whose_name_resolves_to_a_loopback_address_is_refused_at_each_attempt(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name is checked as it resolves, when the attempt connects: this machine's host name (which
+    resolves to a loopback address) is refused, the attempt is recorded with the rule's reason and
+    put off for a retry, and the receiver behind it gets nothing."""
+    host = socket.gethostname()
+    resolved = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, 80)}
+    assert resolved and all(address.is_loopback for address in resolved), f"{host} -> {resolved}"
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"ssrf").decode())
+    orphan = f"resp_{settings.queue.replace('-', '')}ssrf"
+    _insert_live(settings.database_url, "queued", [orphan])
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(update={"webhook_url": f"http://{host}:{receiver.port}/hook"})
+        assert await _sweep(backing, hooked, pages=4) == 1
+        rt = await open_runtime(hooked, "test:ssrf", 1)
+        deliverer = Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        try:
+            async with rt.engine.connect() as conn:
+                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+            await deliverer.deliver(delivery_id)
+            async with rt.engine.connect() as conn:
+                (told,) = await deliveries.of_response(conn, orphan)
+        finally:
+            await deliverer.close()
+            await close_runtime(rt)
+        assert receiver.deliveries == []
+    assert (told["status"], told["attempts"]) == ("pending", 1)
+    assert f"could not reach the endpoint: '{host}' is a loopback address" in told["last_error"]
+    assert told["attempt_log"][0]["error"] == told["last_error"]
