@@ -4,6 +4,8 @@ RQ's own work loop runs on the main thread (so its signal handling, registration
 registries are RQ's). Each dequeued job becomes a coroutine on an event loop in a second thread,
 so one process holds hundreds of responses and never forks per job. The loop also runs the
 heartbeat (every lease and every RQ execution, one round trip each) and the cancel watcher.
+Webhook deliveries come from a queue of their own, popped by a third thread into the same loop,
+with slots of their own.
 """
 
 from __future__ import annotations
