@@ -71,6 +71,12 @@ def streams_key(owner: str) -> str:
     return f"{PREFIX}:quota:{{{owner}}}:streams"
 
 
+def webhook_slots_key(queue: str, endpoint: str) -> str:
+    """The attempts to a webhook endpoint under way across every worker of `queue`: a sorted set of
+    tokens scored by lease expiry (ms; worker/slots.py)."""
+    return f"{PREFIX}:webhooks:{queue}:{{{endpoint}}}:slots"
+
+
 def registries_lock_key(queue: str) -> str:
     """Held (PX) by the one worker handling RQ's abandoned jobs of `queue` now (worker/runner/worker.py)."""
     return f"{PREFIX}:registries:{queue}"

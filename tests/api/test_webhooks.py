@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 OLD_SECRET = "whsec_" + base64.b64encode(b"the old secret, still accepted").decode()
 NEW_SECRET = "whsec_" + base64.b64encode(b"the new secret, signing first").decode()
 B_SECRET = "whsec_" + base64.b64encode(b"tenant b's own endpoint").decode()
+ENDPOINT_CONCURRENCY = 2
 
 
 @dataclass
@@ -61,6 +62,7 @@ def hooked(backing: Servers, session_dir: Path, stack: Stack, upstream: Scripted
             RESPOOL_OUTBOUND_ALLOWLIST=f"{everyone.host_port},{b_only.host_port}",
             RESPOOL_WEBHOOK_BACKOFF_SECONDS="0.2",
             RESPOOL_WEBHOOK_BACKOFF_MAX_SECONDS="1",
+            RESPOOL_WEBHOOK_ENDPOINT_CONCURRENCY=str(ENDPOINT_CONCURRENCY),
         )
         running.start_api()
         running.start_worker()
@@ -171,6 +173,37 @@ def test_a_receiver_down_for_a_while_gets_every_event_once_up(
     wait_for(lambda: len(events_for(hooked.everyone, set(created))) == 5, timeout=60, what="every event")
     got = events_for(hooked.everyone, set(created))
     assert sorted(json.loads(d.body)["data"]["id"] for d in got) == sorted(created)
+
+
+def test_a_slow_receiver_holds_back_only_its_own_deliveries(
+    hooked: Hooked, upstream: ScriptedUpstream, model: str
+) -> None:
+    """The every-owner endpoint answers 3 s late: with two workers, at most
+    RESPOOL_WEBHOOK_ENDPOINT_CONCURRENCY of its deliveries are in flight at once (the bound is the
+    fleet's), and before its backlog is through, tenant-b's own endpoint hears b's end and a
+    foreground response completes (the slow receiver holds no response slot, and no other endpoint
+    waits behind it)."""
+    upstream.script(model, {"text": "fine"})
+    slow = hooked.everyone
+    hooked.stack.start_worker("worker-2")
+    wait_for(lambda: "ready: taking responses" in hooked.stack.log("worker-2"), timeout=60, what="worker-2")
+    slow.delay, slow.max_active = 3.0, slow.active
+    try:
+        backlog = [hooked.a.responses.create(model=model, input="x", background=True).id for _ in range(8)]
+        wait_until_ended(hooked.a, backlog, timeout=60)
+        wait_for(lambda: slow.active >= 1, timeout=30, what="the slow receiver answering")
+        told_b = hooked.b.responses.create(model=model, input="x", background=True).id
+        wait_for(lambda: events_for(hooked.b_only, {told_b}), timeout=30, what="tenant-b's event")
+        assert hooked.a.responses.create(model=model, input="x").status == "completed"
+        assert len(events_for(slow, set(backlog))) < len(backlog)  # its backlog is not through yet
+    finally:
+        slow.delay = 0.0
+        hooked.stack.stop("worker-2")
+    every = {*backlog, told_b}
+    wait_for(
+        lambda: len(events_for(slow, every)) == len(every), timeout=120, what="the slow endpoint's backlog"
+    )
+    assert 1 <= slow.max_active <= ENDPOINT_CONCURRENCY
 
 
 def _deliveries(stack: Stack, response_id: str) -> list[dict[str, object]]:

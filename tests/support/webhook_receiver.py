@@ -3,6 +3,7 @@ process) that records every delivery and answers as a test tells it.
 
     with Receiver.start() as receiver:
         receiver.answers = [500, 200]      # the next answers in order; then 200
+        receiver.delay = 3.0               # seconds before each answer (max_active: most at once)
         ...
         receiver.wait_for(3)               # until 3 deliveries arrived
         receiver.stop(); receiver.restart()  # down for a while (the port refuses), then up
@@ -34,6 +35,7 @@ class Receiver:
         self.answers: list[int] = []
         self.delay = 0.0  # seconds before answering each delivery
         self.started = 0  # deliveries whose request arrived (answered or not yet)
+        self.active = self.max_active = 0  # requests being answered now; the most at once
         self.changed = threading.Condition()
         self.port = 0
         self._server: ThreadingHTTPServer | None = None
@@ -62,8 +64,12 @@ class Receiver:
                 with receiver.changed:
                     answer = receiver.answers.pop(0) if receiver.answers else 200
                     receiver.started += 1
+                    receiver.active += 1
+                    receiver.max_active = max(receiver.max_active, receiver.active)
                     receiver.changed.notify_all()
                 time.sleep(receiver.delay)
+                with receiver.changed:
+                    receiver.active -= 1
                 self.send_response(answer)
                 self.send_header("content-length", "0")
                 self.end_headers()

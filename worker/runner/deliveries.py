@@ -2,9 +2,10 @@
 sweep that queues the attempts that are due.
 
 An attempt: the delivery is read (nothing if it is no longer pending and due); it waits up to
-`BUSY_WAIT_SECONDS` for one of its endpoint's `endpoint_concurrency` slots in this process, else it
-is put off a second (no attempt counted: a slow receiver holds its own deliveries back, and others'
-only for that wait); then it is claimed (a compare-and-set that holds it for the attempt's length,
+`BUSY_WAIT_SECONDS` for one of its endpoint's `endpoint_concurrency` slots, in this process and then
+across every worker (a leased slot in Redis, worker/slots.py, that lapses with a dead worker), else
+it is put off a second (no attempt counted: a slow receiver holds its own deliveries back, and
+others' only for that wait); then it is claimed (a compare-and-set that holds it for the attempt's length,
 so no other job tries it meanwhile), signed with each of the endpoint's secrets (read from the environment now) and POSTed
 (connect and read timeouts; no redirects; the outbound rule, DESIGN.md §13). A 2xx acknowledges
 it. Anything else is recorded and tried again after the retry policy's backoff (the receiver's
@@ -24,22 +25,27 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import httpx2
+from redis.asyncio import Redis
 from rq.job import JobStatus
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.errors import ConfigError, OutboundRefusedError
+from worker.ids import new_id
+from worker.keys import webhook_slots_key
 from worker.outbound import OutboundPolicy, guard_transport
 from worker.postgres import deliveries
 from worker.postgres.deliveries import Delivery
 from worker.protocol.webhooks import Endpoint, RetryPolicy, check_secrets, headers
 from worker.runner.metrics import WorkerMetrics
 from worker.settings import Settings
+from worker.slots import TAKE
 from worker.webhooks import Notifier
 
 log = logging.getLogger("respool.webhooks")
 
-BUSY_WAIT_SECONDS = 2.0  # how long a delivery waits for its endpoint's slot here
+BUSY_WAIT_SECONDS = 2.0  # how long a delivery waits for its endpoint's slot
 BUSY_SECONDS = 1.0  # how long it is then put off
+BUSY_POLL_SECONDS = 0.05  # how often a slot held by another worker is asked for again
 SWEEP_BATCH = 500
 _HELD = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
 
@@ -51,11 +57,15 @@ class Deliverer:
         self,
         settings: Settings,
         engine: AsyncEngine,
+        redis: Redis,
         notifier: Notifier,
         policy: OutboundPolicy,
         metrics: WorkerMetrics,
     ) -> None:
         self.engine = engine
+        self.redis = redis
+        self.queue = settings.queue
+        self._take = redis.register_script(TAKE)
         self.notifier = notifier
         self.endpoints: dict[str, Endpoint] = {endpoint.name: endpoint for endpoint in notifier.endpoints}
         for endpoint in self.endpoints.values():  # a worker that cannot sign or send says so at start
@@ -78,7 +88,8 @@ class Deliverer:
         # how long a claim holds the delivery: past it, an attempt whose worker died is retried.
         self.attempt_seconds = settings.webhook_connect_seconds + 2 * settings.webhook_timeout_seconds
         self.hold_seconds = self.attempt_seconds + 5
-        self.slots: dict[str, asyncio.Semaphore] = {}  # attempts that may run at once, by endpoint
+        self.hold_ms = int(self.hold_seconds * 1000)  # an endpoint slot's lease, as long
+        self.slots: dict[str, asyncio.Semaphore] = {}  # attempts that may run at once here, by endpoint
         transport = guard_transport(httpx2.AsyncHTTPTransport(trust_env=False), policy)
         timeout = httpx2.Timeout(settings.webhook_timeout_seconds, connect=settings.webhook_connect_seconds)
         self.http = httpx2.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
@@ -95,17 +106,32 @@ class Deliverer:
             if found.endpoint not in self.endpoints:  # a deployment that shares the database
                 log.warning("webhook %s: endpoint %s is not configured here", delivery_id, found.endpoint)
                 return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BUSY_WAIT_SECONDS
         slots = self.slots.setdefault(found.endpoint, asyncio.Semaphore(self.endpoint_concurrency))
         try:
             await asyncio.wait_for(slots.acquire(), BUSY_WAIT_SECONDS)
         except TimeoutError:  # its endpoint is slow: try later, and let other endpoints' go first
-            async with self.engine.begin() as conn:
-                await deliveries.postpone(conn, delivery_id, BUSY_SECONDS)
+            await self._postpone(delivery_id)
             return
         try:
-            await self._attempt(delivery_id)
+            key = webhook_slots_key(self.queue, found.endpoint)
+            token = new_id("slot")
+            while not await self._take(keys=[key], args=[token, self.endpoint_concurrency, self.hold_ms]):
+                if loop.time() >= deadline:  # other workers hold them all
+                    await self._postpone(delivery_id)
+                    return
+                await asyncio.sleep(BUSY_POLL_SECONDS)
+            try:
+                await self._attempt(delivery_id)
+            finally:
+                await self.redis.zrem(key, token)
         finally:
             slots.release()
+
+    async def _postpone(self, delivery_id: str) -> None:
+        async with self.engine.begin() as conn:
+            await deliveries.postpone(conn, delivery_id, BUSY_SECONDS)
 
     async def _attempt(self, delivery_id: str) -> None:
         async with self.engine.begin() as conn:

@@ -84,7 +84,7 @@ class ResponseWorker(BaseWorker):
         self._thread.start()
         self._runtime: Runtime = self._call(open_runtime(settings, self.name, concurrency))
         rt = self._runtime
-        self._deliverer = Deliverer(settings, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        self._deliverer = Deliverer(settings, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
         if settings.worker_metrics_port:
             self._runtime.metrics.serve(settings.worker_metrics_port)
         # Deliveries are popped by a thread of their own: RQ pops two queues with BLPOP, which

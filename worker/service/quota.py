@@ -6,10 +6,10 @@ The rate is a GCRA (generic cell rate algorithm): one key per owner holds the ti
 is due, so a check is one atomic script, and a refusal says exactly how long to wait. An owner may
 spend its whole minute at once; after that one request is allowed every 60/limit seconds.
 
-A stream holds a slot: a token in the owner's sorted set, scored by when its lease runs out. The
-process relaying the stream renews every slot it holds, in one pipeline each heartbeat, and gives
-the slot back when the stream ends. A process that dies stops renewing: its slots lapse after the
-lease and are pruned by the next stream that asks (DESIGN.md §4's leases, applied to streams).
+A stream holds a slot (worker/slots.py): a token in the owner's sorted set, scored by when its
+lease runs out. The process relaying the stream renews every slot it holds, in one pipeline each
+heartbeat, and gives the slot back when the stream ends. A process that dies stops renewing: its
+slots lapse after the lease and are pruned by the next stream that asks.
 Every time is Redis's own (TIME), so replicas whose clocks disagree still agree on the quotas.
 
 While Redis is unreachable, rates go unchecked (what needs Redis answers its own 503, what Postgres
@@ -33,6 +33,7 @@ from worker.ids import new_id
 from worker.keys import rate_key, streams_key
 from worker.outages import is_redis_outage
 from worker.settings import Settings
+from worker.slots import NOW_MS, RENEW, TAKE
 
 log = logging.getLogger("respool.quota")
 
@@ -40,12 +41,10 @@ log = logging.getLogger("respool.quota")
 # every request, even those Postgres serves alone, for RESPOOL_REDIS_TIMEOUT_SECONDS.
 UNCHECKED_SECONDS = 5.0
 
-_NOW_MS = "local clock = redis.call('TIME')\nlocal now = clock[1] * 1000 + math.floor(clock[2] / 1000)\n"
-
 # KEYS: rate. ARGV: emission interval ms, burst. Returns 0 if the request is allowed (and counts
 # it), else the ms until one would be.
 _RATE = (
-    _NOW_MS
+    NOW_MS
     + """
 local interval = tonumber(ARGV[1])
 local due = tonumber(redis.call('GET', KEYS[1]) or now)
@@ -54,30 +53,6 @@ local wait = due - interval * (tonumber(ARGV[2]) - 1) - now
 if wait > 0 then return math.ceil(wait) end
 due = due + interval
 redis.call('SET', KEYS[1], string.format('%.3f', due), 'PX', math.ceil(due - now))
-return 0
-"""
-)
-
-# KEYS: streams. ARGV: token, limit, lease ms. Prunes lapsed slots; 1 if the slot is taken, 0 at the limit.
-_TAKE = (
-    _NOW_MS
-    + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-)
-
-# KEYS: streams. ARGV: lease ms, tokens... Renews those of the tokens still held (XX: a lapsed one
-# stays gone).
-_RENEW = (
-    _NOW_MS
-    + """
-local expiry = now + tonumber(ARGV[1])
-for index = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[index]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 0
 """
 )
@@ -101,8 +76,8 @@ class Quotas:
         self._lease_ms = int(settings.lease_seconds * 1000)
         self._renew_seconds = settings.heartbeat_seconds
         self._rate = redis.register_script(_RATE)
-        self._take = redis.register_script(_TAKE)
-        self._renew = redis.register_script(_RENEW)
+        self._take = redis.register_script(TAKE)
+        self._renew = redis.register_script(RENEW)
         self._held: dict[str, str] = {}  # token -> owner, the slots this process renews
         self._renewer: asyncio.Task[None] | None = None
         self._unchecked_until = 0.0

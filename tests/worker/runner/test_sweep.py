@@ -177,7 +177,7 @@ async def test_an_orphan_the_sweep_ends_tells_its_owner_once(
         assert await _sweep(backing, hooked, pages=4) == 1
         assert await _sweep(backing, hooked, pages=4) == 0
         rt = await open_runtime(hooked, "test:deliver", 1)
-        deliverer = Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        deliverer = Deliverer(hooked, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
         try:
             async with rt.engine.connect() as conn:
                 (delivery_id,) = await deliveries.due(conn, ["default"], 10)
@@ -209,15 +209,17 @@ async def test_a_webhook_endpoint_at_a_non_public_address_stops_the_worker_at_st
     rt = await open_runtime(hooked, "test:ssrf", 1)
     try:
         with pytest.raises(ConfigError) as refused:
-            Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
-        assert f"webhook endpoint 'default': '{url.split('/')[2].split(':')[0]}' is {kind}" in str(refused.value)
+            Deliverer(hooked, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
+        assert f"webhook endpoint 'default': '{url.split('/')[2].split(':')[0]}' is {kind}" in str(
+            refused.value
+        )
         assert "RESPOOL_OUTBOUND_ALLOWLIST" in str(refused.value)
     finally:
         await close_runtime(rt)
     opened = hooked.model_copy(update={"outbound_allowlist": url.split("/")[2].split(":")[0]})
     rt = await open_runtime(opened, "test:ssrf", 1)
     try:
-        await Deliverer(opened, rt.engine, rt.notifier, rt.outbound, rt.metrics).close()
+        await Deliverer(opened, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics).close()
     finally:
         await close_runtime(rt)
 
@@ -238,7 +240,7 @@ async def test_a_webhook_endpoint_whose_name_resolves_to_a_loopback_address_is_r
         hooked = settings.model_copy(update={"webhook_url": f"http://{host}:{receiver.port}/hook"})
         assert await _sweep(backing, hooked, pages=4) == 1
         rt = await open_runtime(hooked, "test:ssrf", 1)
-        deliverer = Deliverer(hooked, rt.engine, rt.notifier, rt.outbound, rt.metrics)
+        deliverer = Deliverer(hooked, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
         try:
             async with rt.engine.connect() as conn:
                 (delivery_id,) = await deliveries.due(conn, ["default"], 10)
