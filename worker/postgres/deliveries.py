@@ -75,19 +75,6 @@ async def record(
     return ids
 
 
-async def get(conn: AsyncConnection, delivery_id: str) -> Delivery | None:
-    """The delivery if it is pending and due now."""
-    found = await conn.execute(
-        text(
-            "SELECT id, response_id, owner, endpoint, url, event_type, body, attempts, created_at "
-            "FROM webhook_delivery WHERE id = :id AND status = 'pending' AND next_attempt_at <= now()"
-        ),
-        {"id": delivery_id},
-    )
-    row = found.first()
-    return None if row is None else Delivery(*row)
-
-
 async def claim(conn: AsyncConnection, delivery_id: str, hold_seconds: float) -> Delivery | None:
     """Take the delivery for one attempt (None if it is not pending and due, or another took it):
     nobody else may try it for `hold_seconds`, after which an attempt that never ended is retried."""
@@ -96,14 +83,15 @@ async def claim(conn: AsyncConnection, delivery_id: str, hold_seconds: float) ->
     return None if row is None else Delivery(*row)
 
 
-async def postpone(conn: AsyncConnection, delivery_id: str, seconds: float) -> None:
-    """Try it again in `seconds`, counting no attempt (its endpoint is busy)."""
+async def release(conn: AsyncConnection, delivery: Delivery, seconds: float) -> None:
+    """Give back a claim that made no attempt (its endpoint is busy, or not this process's): it is
+    due again in `seconds`, its attempts as they were."""
     await conn.execute(
         text(
-            "UPDATE webhook_delivery SET next_attempt_at = now() + make_interval(secs => :s) "
-            "WHERE id = :id AND status = 'pending'"
+            "UPDATE webhook_delivery SET next_attempt_at = now() + make_interval(secs => :s), "
+            "attempts = attempts - 1 WHERE id = :id AND status = 'pending' AND attempts = :attempts"
         ),
-        {"id": delivery_id, "s": seconds},
+        {"id": delivery.id, "s": seconds, "attempts": delivery.attempts},
     )
 
 
@@ -117,20 +105,8 @@ async def finish_attempt(
     retry_in: float | None,
 ) -> str:
     """Record the attempt; the delivery ends `delivered` (no error), is tried again in `retry_in`
-    seconds, or (`retry_in` None) is `given_up`. Its new status."""
-    await conn.execute(
-        text(
-            "INSERT INTO webhook_attempt (delivery_id, attempt, status_code, error, duration_ms) "
-            "VALUES (:id, :attempt, :code, :error, :ms)"
-        ),
-        {
-            "id": delivery.id,
-            "attempt": delivery.attempts,
-            "code": status_code,
-            "error": error,
-            "ms": duration_ms,
-        },
-    )
+    seconds, or (`retry_in` None) is `given_up`. Its new status. One statement (a data-modifying
+    CTE): in autocommit, one round trip."""
     if error is None:
         status, sets = "delivered", "status = 'delivered', delivered_at = now(), last_error = NULL"
     elif retry_in is None:
@@ -141,8 +117,19 @@ async def finish_attempt(
             "next_attempt_at = now() + make_interval(secs => :retry), last_error = :error",
         )
     await conn.execute(
-        text(f"UPDATE webhook_delivery SET {sets} WHERE id = :id"),
-        {"id": delivery.id, "error": error, "retry": retry_in},
+        text(
+            "WITH attempt AS (INSERT INTO webhook_attempt (delivery_id, attempt, status_code, error, "
+            "duration_ms) VALUES (:id, :attempt, :code, :error, :ms)) "
+            f"UPDATE webhook_delivery SET {sets} WHERE id = :id"
+        ),
+        {
+            "id": delivery.id,
+            "attempt": delivery.attempts,
+            "code": status_code,
+            "error": error,
+            "ms": duration_ms,
+            "retry": retry_in,
+        },
     )
     return status
 

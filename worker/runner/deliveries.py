@@ -1,14 +1,14 @@
 """Sending webhook deliveries (DESIGN.md §12): one attempt per job of the deliveries' queue, and the
 sweep that queues the attempts that are due.
 
-An attempt: the delivery is read (nothing if it is no longer pending and due); it waits up to
+An attempt: the delivery is claimed (a compare-and-set that holds it for the attempt's length, so
+no other job tries it meanwhile; nothing if it is no longer pending and due); it waits up to
 `BUSY_WAIT_SECONDS` for one of its endpoint's `endpoint_concurrency` slots, in this process and then
 across every worker (a leased slot in Redis, worker/slots.py, that lapses with a dead worker), else
-it is put off a second (no attempt counted: a slow receiver holds its own deliveries back, and
-others' only for that wait); then it is claimed (a compare-and-set that holds it for the attempt's length,
-so no other job tries it meanwhile), signed with each of the endpoint's secrets (read from the environment now) and POSTed
-(connect and read timeouts; no redirects; the outbound rule, DESIGN.md §13). A 2xx acknowledges
-it. Anything else is recorded and tried again after the retry policy's backoff (the receiver's
+it is put off a second (the claim given back, no attempt counted: a slow receiver holds its own
+deliveries back, and others' only for that wait); then it is signed with each of the endpoint's
+secrets (read from the environment now) and POSTed (connect and read timeouts; no redirects; the
+outbound rule, DESIGN.md §13). A 2xx acknowledges it. Anything else is recorded and tried again after the retry policy's backoff (the receiver's
 `retry-after` on 429 and 503), until `max_age` after the event, then given up.
 
 The sweep (each worker's maintenance) queues pending deliveries to the endpoints it configures that
@@ -33,7 +33,7 @@ from worker.errors import ConfigError, OutboundRefusedError
 from worker.ids import new_id
 from worker.keys import webhook_slots_key
 from worker.outbound import OutboundPolicy, guard_transport
-from worker.postgres import deliveries
+from worker.postgres import deliveries, store
 from worker.postgres.deliveries import Delivery
 from worker.protocol.webhooks import Endpoint, RetryPolicy, check_secrets, headers
 from worker.runner.metrics import WorkerMetrics
@@ -63,6 +63,7 @@ class Deliverer:
         metrics: WorkerMetrics,
     ) -> None:
         self.engine = engine
+        self.autocommit = store.single_statements(engine)  # every statement here is one transaction
         self.redis = redis
         self.queue = settings.queue
         self._take = redis.register_script(TAKE)
@@ -99,45 +100,42 @@ class Deliverer:
 
     async def deliver(self, delivery_id: str) -> None:
         """One attempt of the delivery (module docstring)."""
-        async with self.engine.connect() as conn:
-            found = await deliveries.get(conn, delivery_id)
-            if found is None:
-                return
-            if found.endpoint not in self.endpoints:  # a deployment that shares the database
-                log.warning("webhook %s: endpoint %s is not configured here", delivery_id, found.endpoint)
-                return
+        async with self.autocommit.connect() as conn:
+            delivery = await deliveries.claim(conn, delivery_id, self.hold_seconds)
+        if delivery is None:
+            return  # delivered, given up, not due yet, or another attempt holds it
+        if delivery.endpoint not in self.endpoints:  # a deployment that shares the database
+            log.warning("webhook %s: endpoint %s is not configured here", delivery_id, delivery.endpoint)
+            await self._release(delivery, 0.0)
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BUSY_WAIT_SECONDS
-        slots = self.slots.setdefault(found.endpoint, asyncio.Semaphore(self.endpoint_concurrency))
+        slots = self.slots.setdefault(delivery.endpoint, asyncio.Semaphore(self.endpoint_concurrency))
         try:
             await asyncio.wait_for(slots.acquire(), BUSY_WAIT_SECONDS)
         except TimeoutError:  # its endpoint is slow: try later, and let other endpoints' go first
-            await self._postpone(delivery_id)
+            await self._release(delivery, BUSY_SECONDS)
             return
         try:
-            key = webhook_slots_key(self.queue, found.endpoint)
+            key = webhook_slots_key(self.queue, delivery.endpoint)
             token = new_id("slot")
             while not await self._take(keys=[key], args=[token, self.endpoint_concurrency, self.hold_ms]):
                 if loop.time() >= deadline:  # other workers hold them all
-                    await self._postpone(delivery_id)
+                    await self._release(delivery, BUSY_SECONDS)
                     return
                 await asyncio.sleep(BUSY_POLL_SECONDS)
             try:
-                await self._attempt(delivery_id)
+                await self._attempt(delivery)
             finally:
                 await self.redis.zrem(key, token)
         finally:
             slots.release()
 
-    async def _postpone(self, delivery_id: str) -> None:
-        async with self.engine.begin() as conn:
-            await deliveries.postpone(conn, delivery_id, BUSY_SECONDS)
+    async def _release(self, delivery: Delivery, seconds: float) -> None:
+        async with self.autocommit.connect() as conn:
+            await deliveries.release(conn, delivery, seconds)
 
-    async def _attempt(self, delivery_id: str) -> None:
-        async with self.engine.begin() as conn:
-            delivery = await deliveries.claim(conn, delivery_id, self.hold_seconds)
-        if delivery is None:
-            return  # another attempt took it meanwhile
+    async def _attempt(self, delivery: Delivery) -> None:
         started = time.monotonic()
         code, error, retry_after = await self._post(delivery)
         duration_ms = int((time.monotonic() - started) * 1000)
@@ -147,7 +145,7 @@ class Deliverer:
             wait = self.retry.backoff(delivery.attempts, retry_after)
             age = (datetime.now(tz=UTC) - delivery.created_at).total_seconds()
             retry_in = wait if age + wait <= self.retry.max_age_seconds else None
-        async with self.engine.begin() as conn:
+        async with self.autocommit.connect() as conn:
             status = await deliveries.finish_attempt(
                 conn, delivery, status_code=code, error=error, duration_ms=duration_ms, retry_in=retry_in
             )
