@@ -102,7 +102,7 @@ async def enqueue_deliveries(redis: AsyncRedis, queue: Queue, delivery_ids: list
             args=(delivery_id,),
             job_id=delivery_id,
             timeout=JOB_TIMEOUT,
-            result_ttl=RESULT_TTL,
+            result_ttl=0,  # the attempt's record is the delivery's row: RQ keeps none of its own
             failure_ttl=RESULT_TTL,
             description=f"webhook {delivery_id}",
             pipeline=recorder,
