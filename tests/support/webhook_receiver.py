@@ -3,6 +3,7 @@ process) that records every delivery and answers as a test tells it.
 
     with Receiver.start() as receiver:
         receiver.answers = [500, 200]      # the next answers in order; then 200
+        receiver.answers = [(503, {"retry-after": "30"})]   # an answer with headers
         receiver.delay = 3.0               # seconds before each answer (max_active: most at once)
         ...
         receiver.wait_for(3)               # until 3 deliveries arrived
@@ -32,7 +33,7 @@ class Delivery:
 class Receiver:
     def __init__(self) -> None:
         self.deliveries: list[Delivery] = []
-        self.answers: list[int] = []
+        self.answers: list[int | tuple[int, dict[str, str]]] = []
         self.delay = 0.0  # seconds before answering each delivery
         self.started = 0  # deliveries whose request arrived (answered or not yet)
         self.active = self.max_active = 0  # requests being answered now; the most at once
@@ -62,7 +63,8 @@ class Receiver:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0)).decode()
                 with receiver.changed:
-                    answer = receiver.answers.pop(0) if receiver.answers else 200
+                    given = receiver.answers.pop(0) if receiver.answers else 200
+                    answer, extra = given if isinstance(given, tuple) else (given, {})
                     receiver.started += 1
                     receiver.active += 1
                     receiver.max_active = max(receiver.max_active, receiver.active)
@@ -71,6 +73,8 @@ class Receiver:
                 with receiver.changed:
                     receiver.active -= 1
                 self.send_response(answer)
+                for name, value in extra.items():
+                    self.send_header(name, value)
                 self.send_header("content-length", "0")
                 self.end_headers()
                 headers = {name.lower(): value for name, value in self.headers.items()}

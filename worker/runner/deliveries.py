@@ -37,6 +37,7 @@ from worker.postgres import deliveries, store
 from worker.postgres.deliveries import Delivery
 from worker.protocol.webhooks import Endpoint, RetryPolicy, check_secrets, headers
 from worker.runner.metrics import WorkerMetrics
+from worker.runner.upstream import retry_after
 from worker.settings import Settings
 from worker.slots import TAKE
 from worker.webhooks import Notifier
@@ -137,12 +138,12 @@ class Deliverer:
 
     async def _attempt(self, delivery: Delivery) -> None:
         started = time.monotonic()
-        code, error, retry_after = await self._post(delivery)
+        code, error, hinted = await self._post(delivery)
         duration_ms = int((time.monotonic() - started) * 1000)
         retry_in = None
         if error is not None:
             self.metrics.webhook_failures.inc()
-            wait = self.retry.backoff(delivery.attempts, retry_after)
+            wait = self.retry.backoff(delivery.attempts, hinted)
             age = (datetime.now(tz=UTC) - delivery.created_at).total_seconds()
             retry_in = wait if age + wait <= self.retry.max_age_seconds else None
         async with self.autocommit.connect() as conn:
@@ -188,19 +189,8 @@ class Deliverer:
             return None, f"could not reach the endpoint: {reason}", None
         if 200 <= reply.status_code < 300:
             return reply.status_code, None, None
-        retry_after = (
-            _retry_after(reply.headers.get("retry-after")) if reply.status_code in (429, 503) else None
-        )
-        return reply.status_code, f"the endpoint answered {reply.status_code}", retry_after
-
-
-def _retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
+        wait = retry_after(reply.headers) if reply.status_code in (429, 503) else None
+        return reply.status_code, f"the endpoint answered {reply.status_code}", wait
 
 
 async def queue_due(

@@ -326,11 +326,11 @@ def _is_transient_status(status: int) -> bool:
 async def _status_error(reply: httpx2.Response) -> UpstreamError:
     message = await _error_message(reply)
     if _is_transient_status(reply.status_code):
-        return TransientUpstreamError(message, reply.status_code, _retry_after(reply.headers))
+        return TransientUpstreamError(message, reply.status_code, retry_after(reply.headers))
     return UpstreamError(message, reply.status_code)
 
 
-def _retry_after(headers: httpx2.Headers) -> float | None:
+def retry_after(headers: httpx2.Headers) -> float | None:
     """The upstream's wait hint in seconds: `retry-after-ms`, else `retry-after` (seconds or an HTTP date)."""
     milliseconds = _number(headers.get("retry-after-ms"))
     if milliseconds is not None:

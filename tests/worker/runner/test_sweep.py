@@ -13,6 +13,9 @@ import ipaddress
 import socket
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
 
 import openai
 import pytest
@@ -254,3 +257,71 @@ async def test_a_webhook_endpoint_whose_name_resolves_to_a_loopback_address_is_r
     assert (told["status"], told["attempts"]) == ("pending", 1)
     assert f"could not reach the endpoint: '{host}' is a loopback address" in told["last_error"]
     assert told["attempt_log"][0]["error"] == told["last_error"]
+
+
+async def _one_attempt(backing: Servers, settings: Settings, receiver: Receiver, name: str) -> dict[str, Any]:
+    """An orphan ended by the sweep, its delivery attempted once by a Deliverer: what was recorded."""
+    orphan = f"resp_{settings.queue.replace('-', '')}{name}"
+    _insert_live(settings.database_url, "queued", [orphan])
+    assert await _sweep(backing, settings, pages=4) == 1
+    rt = await open_runtime(settings, "test:deliver", 1)
+    deliverer = Deliverer(settings, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
+    try:
+        async with rt.engine.connect() as conn:
+            (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+        await deliverer.deliver(delivery_id)
+        async with rt.engine.connect() as conn:
+            (told,) = await deliveries.of_response(conn, orphan)
+    finally:
+        await deliverer.close()
+        await close_runtime(rt)
+    return told
+
+
+async def test_a_receivers_retry_after_sets_when_the_next_attempt_is(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 with `retry-after` (seconds, or an HTTP date) puts the next attempt that far off, instead
+    of the backoff's (here at most 2 s)."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"later").decode())
+    in_a_minute = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(
+            update={
+                "webhook_url": receiver.url,
+                "outbound_allowlist": receiver.host_port,
+                "webhook_backoff_seconds": 1.0,
+                "webhook_backoff_max_seconds": 3600.0,
+            }
+        )
+        for name, hint, waits in (("seconds", "30", 30), ("date", in_a_minute, 60)):
+            receiver.answers = [(503, {"retry-after": hint})]
+            told = await _one_attempt(
+                backing, hooked.model_copy(update={"queue": f"{settings.queue}{name}"}), receiver, name
+            )
+            (attempt,) = told["attempt_log"]
+            assert (told["status"], attempt["status_code"]) == ("pending", 503)
+            put_off = (told["next_attempt_at"] - datetime.fromisoformat(attempt["at"])).total_seconds()
+            assert waits - 3 <= put_off <= waits + 1, (name, put_off)
+
+
+async def test_a_receiver_that_does_not_answer_in_time_is_an_attempt_failed(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read timeout bounds an attempt: a receiver that answers only after it is recorded as an
+    attempt with no status code, saying so, and retried."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"slow").decode())
+    with Receiver.start() as receiver:
+        receiver.delay = 3.0
+        hooked = settings.model_copy(
+            update={
+                "webhook_url": receiver.url,
+                "outbound_allowlist": receiver.host_port,
+                "webhook_timeout_seconds": 0.5,
+            }
+        )
+        told = await _one_attempt(backing, hooked, receiver, "slow")
+    (attempt,) = told["attempt_log"]
+    assert (told["status"], attempt["status_code"]) == ("pending", None)
+    assert attempt["error"] == "no answer within 0.5 s"
+    assert 400 <= attempt["duration_ms"] < 3000
