@@ -273,3 +273,71 @@ def _status(reply: httpx2.Response) -> str:
     if "choices" in payload:  # a chat completion
         return "completed"
     return str(payload.get("status"))
+
+
+@dataclass
+class Counted:
+    """A fixed number of short requests (the CPU-cost scenarios): how many completed, the polls sent."""
+
+    completed: int = 0
+    errors: int = 0
+    polls: int = 0
+    first_error: str | None = None
+    response_ids: list[str] = field(default_factory=list)
+
+
+async def short_count(
+    target: Target, *, background: bool, count: int, concurrency: int, model: str, poll_seconds: float
+) -> Counted:
+    """`count` short requests, `concurrency` at a time: foreground, or background created then
+    polled every `poll_seconds` until it ended."""
+    result = Counted()
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    if target.api is Api.CHAT:
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
+    else:
+        body = orjson.dumps({"model": model, "input": "Hi.", "background": background})
+    async with client(concurrency) as http:
+
+        async def one(index: int) -> None:
+            response_id = None
+            try:
+                reply = await http.post(target.url + _path(target), content=body, headers=headers)
+                status = _status(reply)
+                response_id = orjson.loads(reply.content).get("id") if reply.status_code == 200 else None
+                while background and status in ("queued", "in_progress") and response_id:
+                    await asyncio.sleep(poll_seconds)
+                    reply = await http.get(f"{target.url}/responses/{response_id}", headers=headers)
+                    result.polls += 1
+                    status = _status(reply)
+            except (httpx2.HTTPError, OSError) as exc:
+                status = f"{type(exc).__name__}: {exc}"
+            if status == "completed":
+                result.completed += 1
+                if response_id:
+                    result.response_ids.append(response_id)
+            else:
+                result.errors += 1
+                result.first_error = result.first_error or status
+
+        await closed_loop(concurrency, count, one, lambda: None)
+    return result
+
+
+async def polls(target: Target, response_id: str, *, count: int, concurrency: int) -> Counted:
+    """`count` polls of one ended response, `concurrency` at a time (what one poll costs)."""
+    result = Counted()
+    headers = {"authorization": "Bearer bench"}
+    async with client(concurrency) as http:
+
+        async def one(index: int) -> None:
+            reply = await http.get(f"{target.url}/responses/{response_id}", headers=headers)
+            result.polls += 1
+            if reply.status_code == 200:
+                result.completed += 1
+            else:
+                result.errors += 1
+                result.first_error = result.first_error or f"HTTP {reply.status_code}: {reply.text[:200]}"
+
+        await closed_loop(concurrency, count, one, lambda: None)
+    return result

@@ -24,6 +24,12 @@ TARGETS = {
     "background short/s": 300,
     "KB per stream, API": 100,
     "KB per stream, worker": 100,
+    # Issue 20's, for a system's whole process tree (api/bench/cpu.py).
+    "CPU µs per token @30": 170,
+    "CPU µs per token @100": 170,
+    "CPU ms per short request": 5,
+    "CPU ms per background response": 5,
+    "idle CPU (% of a core)": 1,
 }
 
 
@@ -66,6 +72,17 @@ def rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "KB per stream, worker": _get(system, "memory", "kb_per_stream", "workers"),
             "KB per stream, LiteLLM": _get(system, "memory", "kb_per_stream", "litellm"),
         }
+        for level in result["plan"].get("cost_streams", ()):
+            figures[f"CPU µs per token @{level}"] = _get(system, "cpu", "streams", str(level), "us_per_token")
+        figures["CPU ms per short request"] = _get(system, "cpu", "foreground", "ms_per_response")
+        figures["CPU ms per background response"] = _get(system, "cpu", "background", "ms_per_response")
+        figures["CPU ms per poll"] = _get(system, "cpu", "ms_per_poll")
+        idle = _get(system, "cpu", "idle_cores")
+        figures["idle CPU (% of a core)"] = None if idle is None else round(idle * 100, 2)
+        for level in result["plan"].get("cost_streams", ()):
+            figures[f"load generator µs per token @{level}"] = _get(
+                system, "cpu", "streams", str(level), "load_us_per_token"
+            )
         for row, value in figures.items():
             table.setdefault(row, {})[name] = value
     return table

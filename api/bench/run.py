@@ -26,8 +26,8 @@ import psutil
 import uvloop
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from api.bench import cpu, scenarios
 from api.bench import litellm as litellm_
-from api.bench import scenarios
 from api.bench.load import Api, Target
 from api.bench.procs import Children, start_api, start_upstream, start_worker
 from api.bench.scenarios import Plan, System
@@ -45,6 +45,12 @@ class Respool:
     port: int
     receiver: Receiver  # where its webhooks go (the "webhooks" scenario's owner only)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    server_pids: list[int] = field(default_factory=list)  # its embedded Redis and Postgres, if any
+
+    def tree(self) -> cpu.Tree:
+        """The processes whose CPU respool costs: its API, workers, and the servers it started."""
+        pids = [process.pid for process in self.processes] + self.server_pids
+        return cpu.Tree([psutil.Process(pid) for pid in pids])
 
     @property
     def url(self) -> str:
@@ -79,10 +85,11 @@ def run(
     log_dir = out_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     children = Children(log_dir)
-    with _servers(servers) as (redis_url, database_url), _stopping(children):
+    with _servers(servers) as (redis_url, database_url, server_pids), _stopping(children):
         upstream_env = {**os.environ}
         _, upstream_url = start_upstream(children, upstream_env)
         respool = _start_respool(children, redis_url, database_url, upstream_url, log_dir)
+        respool.server_pids = server_pids
         litellm = _start_litellm(litellm_path, upstream_url, log_dir)
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -107,10 +114,11 @@ def _stopping(children: Children) -> Iterator[None]:
 
 
 @contextmanager
-def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
-    """Redis and Postgres: the ones given, else embedded ones in a temporary dir (as `respool up`)."""
+def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str, list[int]]]:
+    """Redis and Postgres: the ones given, else embedded ones in a temporary dir (as `respool up`);
+    with the pids of those it started (their CPU is respool's)."""
     if given is not None:
-        yield given
+        yield (*given, [])
         return
     from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
 
@@ -119,7 +127,7 @@ def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str]]:
     try:
         postgres = EmbeddedPostgres.start(data_dir)
         try:
-            yield redis.url, postgres.url
+            yield redis.url, postgres.url, [redis.process.pid, postgres.process.pid]
         finally:
             postgres.stop()
     finally:
@@ -196,6 +204,7 @@ async def _measure(
             System(
                 Target("litellm", litellm.url, Api.RESPONSES),
                 {"litellm": [proxy, *proxy.children(recursive=True)]},
+                tree=cpu.Tree([proxy]),
             )
         )
     result: dict[str, Any] = {"systems": {}, "skipped": {}}
@@ -204,8 +213,12 @@ async def _measure(
     with _progress() as progress:
         for count in plan.worker_counts:
             name = f"respool ({count} worker{'s' if count > 1 else ''})"
+            started = respool.start(count)
             mine = System(
-                Target(name, respool.url, Api.RESPONSES), respool.start(count), receiver=respool.receiver
+                Target(name, respool.url, Api.RESPONSES),
+                started,
+                receiver=respool.receiver,
+                tree=respool.tree(),
             )
             # The direct upstream and LiteLLM do not change with respool's workers: measured once.
             others = [system for system in systems if not system.result]

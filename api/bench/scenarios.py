@@ -7,7 +7,11 @@ the same machine at the same moment:
 3. held streams: levels of concurrent streams (64 tokens, 20 ms apart) until a system loses or
    stalls a stream or adds 25 ms or more to the gap p99;
 4. short non-streaming responses per second: foreground, and (respool) background: create + poll,
-   and create + wait for the webhook that tells the response ended (api/bench/told.py).
+   and create + wait for the webhook that tells the response ended (api/bench/told.py);
+5. what each proxy costs in CPU (api/bench/cpu.py; issue 20): its whole process tree's CPU time per
+   relayed token at 30 and 100 streams (150 tokens 20 ms apart), per short foreground request and
+   per background response (its polls' cost taken out, and one poll's cost beside it), its idle
+   cost subtracted; and the load generator's own CPU per token.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import psutil
 from rich.progress import Progress
 
-from api.bench import load, stats
+from api.bench import cpu, load, stats
 from api.bench.load import Target
 from api.bench.told import Receiver
 
@@ -50,6 +54,12 @@ class Plan:
     memory_tokens: int = 50
     memory_pace_ms: int = 100
     worker_counts: tuple[int, ...] = (1, 2)
+    cost_streams: tuple[int, ...] = (30, 100)  # concurrent streams, each started once
+    cost_tokens: int = 150
+    cost_pace_ms: int = 20
+    cost_requests: int = 400  # short requests (and polls), `cost_concurrency` at a time
+    cost_concurrency: int = 16
+    idle_seconds: float = 3.0  # how long each tree is watched idle, to subtract
 
     @classmethod
     def quick(cls) -> Plan:
@@ -65,6 +75,11 @@ class Plan:
             memory_streams=10,
             memory_tokens=30,
             memory_pace_ms=50,
+            cost_streams=(5, 10),
+            cost_tokens=20,
+            cost_requests=20,
+            cost_concurrency=4,
+            idle_seconds=0.5,
         )
 
 
@@ -76,6 +91,7 @@ class System:
     processes: dict[str, list[psutil.Process]]
     result: dict[str, Any] = field(default_factory=dict)
     receiver: Receiver | None = None  # respool's webhooks reach it (the "webhooks" scenario)
+    tree: cpu.Tree | None = None  # the processes whose CPU it costs (a proxy's; not the upstream's)
 
 
 async def run_all(plan: Plan, progress: Progress, systems: list[System], direct: System) -> None:
@@ -98,6 +114,9 @@ async def run_all(plan: Plan, progress: Progress, systems: list[System], direct:
     await _levels(plan, progress, systems, direct)
     for system in systems:
         system.result["short"] = await _short(plan, progress, system)
+    for system in systems:
+        if system.tree is not None:
+            system.result["cpu"] = await _cost(plan, progress, system)
 
 
 async def _warm_up(plan: Plan, systems: list[System]) -> None:
@@ -216,6 +235,66 @@ async def _short(plan: Plan, progress: Progress, system: System) -> dict[str, An
         }
         if told is not None:
             result[kind]["webhooks_refused"] = told.refused  # a signature that did not verify
+    return result
+
+
+async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any]:
+    """CPU per token and per request of the system's tree, and the load generator's (module docstring)."""
+    assert system.tree is not None
+    trees = {"system": system.tree, "load": cpu.own()}
+    target = system.target
+    with _step(progress, f"{target.name}: CPU cost", None):
+        idle = await asyncio.to_thread(cpu.idle_rates, trees, plan.idle_seconds)
+        result: dict[str, Any] = {"idle_cores": round(idle["system"], 4), "streams": {}}
+        for concurrency in plan.cost_streams:
+            before = cpu.read(trees)
+            samples = await load.streams(
+                target,
+                concurrency=concurrency,
+                count=concurrency,
+                tokens=plan.cost_tokens,
+                pace_ms=plan.cost_pace_ms,
+            )
+            used = cpu.spent(before, cpu.read(trees), idle)
+            tokens = sum(sample.tokens for sample in samples)
+            result["streams"][str(concurrency)] = {
+                "tokens": tokens,
+                "clean": sum(sample.is_clean(plan.cost_tokens) for sample in samples),
+                "us_per_token": cpu.per_unit(used["system"], tokens, 1e6),
+                "load_us_per_token": cpu.per_unit(used["load"], tokens, 1e6),
+            }
+        model = load.model_name(plan.short_tokens, 0)
+        modes = [False, True] if target.name.startswith("respool") else [False]
+        for background in modes:
+            before = cpu.read(trees)
+            done = await load.short_count(
+                target,
+                background=background,
+                count=plan.cost_requests,
+                concurrency=plan.cost_concurrency,
+                model=model,
+                poll_seconds=plan.poll_seconds,
+            )
+            used = cpu.spent(before, cpu.read(trees), idle)
+            kind = "background" if background else "foreground"
+            result[kind] = {
+                "completed": done.completed,
+                "errors": done.errors,
+                "first_error": done.first_error,
+                "polls": done.polls,
+                "ms_cpu": round(used["system"] * 1000, 1),
+            }
+            if background and done.response_ids:
+                before = cpu.read(trees)
+                polled = await load.polls(
+                    target, done.response_ids[0], count=plan.cost_requests, concurrency=plan.cost_concurrency
+                )
+                per_poll = cpu.spent(before, cpu.read(trees), idle)["system"] / max(1, polled.polls)
+                result["ms_per_poll"] = round(per_poll * 1000, 3)
+                without_polls = used["system"] - per_poll * done.polls
+                result[kind]["ms_per_response"] = cpu.per_unit(max(0.0, without_polls), done.completed, 1e3)
+            else:
+                result[kind]["ms_per_response"] = cpu.per_unit(used["system"], done.completed, 1e3)
     return result
 
 

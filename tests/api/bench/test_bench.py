@@ -103,6 +103,17 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
             assert set(memory["kb_per_stream"]) == {"api", "workers"}
         if name != "direct":
             assert {"ttft_ms", "gap_ms"} <= set(system["added"]["1"])
+            cost = system["cpu"]  # its process tree's CPU (api/bench/cpu.py)
+            for level, streamed in cost["streams"].items():
+                assert streamed["clean"] == int(level) and streamed["us_per_token"] > 0, (name, cost)
+                assert streamed["load_us_per_token"] > 0, (name, cost)
+            assert cost["foreground"]["errors"] == 0 and cost["foreground"]["ms_per_response"] > 0, cost
+            assert cost["idle_cores"] >= 0
+            if name.startswith("respool"):
+                assert cost["background"]["errors"] == 0 and cost["ms_per_poll"] > 0, cost
+                assert cost["background"]["ms_per_response"] is not None, cost
+        else:
+            assert "cpu" not in system  # the upstream stands for the GPU: its cost is not measured
     assert result["systems"]["respool (2 workers)"]["memory"]["processes"] == {"api": 1, "workers": 2}
     assert (out / "latency.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "table.md").read_text().startswith("| | direct |")
