@@ -19,18 +19,21 @@ import psutil
 
 @dataclass
 class Tree:
-    """The processes of one system: each root and its descendants, found afresh at each reading."""
+    """The processes of one system: each root and (unless `descendants` is false) its descendants,
+    found afresh at each reading."""
 
     roots: list[psutil.Process]
+    descendants: bool = True
 
     def processes(self) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         for root in self.roots:
             try:
-                for process in [root, *root.children(recursive=True)]:
-                    found.setdefault(process.pid, process)
+                family = root.children(recursive=True) if self.descendants else []
             except psutil.Error:
                 continue  # the root is gone: it counts no more
+            for process in [root, *family]:
+                found.setdefault(process.pid, process)
         return list(found.values())
 
     def seconds(self) -> float:
@@ -41,13 +44,16 @@ class Tree:
                 times = process.cpu_times()
             except psutil.Error:
                 continue
-            total += times.user + times.system + times.children_user + times.children_system
+            total += times.user + times.system
+            if self.descendants:
+                total += times.children_user + times.children_system
         return total
 
 
 def own() -> Tree:
-    """The load generator: this process (its threads; it starts no children of its own)."""
-    return Tree([psutil.Process()])
+    """The load generator: this process alone (its threads). The bench's other children (upstream,
+    respool, LiteLLM) are systems of their own, not its cost."""
+    return Tree([psutil.Process()], descendants=False)
 
 
 @dataclass

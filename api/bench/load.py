@@ -19,7 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
+import httptools
 import httpx2
 import orjson
 
@@ -83,50 +85,92 @@ def _path(target: Target) -> str:
     return "/chat/completions" if target.api is Api.CHAT else "/responses"
 
 
-async def stream_once(http: httpx2.AsyncClient, target: Target, model: str, expected: int) -> StreamSample:
-    """One streamed request: its TTFT and token gaps, or what went wrong."""
+async def stream_once(target: Target, model: str, expected: int) -> StreamSample:
+    """One streamed request: its TTFT and token gaps, or what went wrong.
+
+    Lean, so that the cores go to the system measured (issue 20): a connection of its own, the
+    request written as bytes, the reply parsed by httptools (llhttp, compiled: chunked bodies
+    included) and its SSE frames scanned as bytes."""
     sample = StreamSample()
     body = _stream_body(target, model)
-    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
-    is_chat = target.api is Api.CHAT
-    buffer = b""
-    last: float | None = None
-    ended = False
-    started = time.perf_counter()
+    where = urlsplit(target.url + _path(target))
+    head = (
+        f"POST {where.path} HTTP/1.1\r\nhost: {where.netloc}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer bench\r\naccept: text/event-stream\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    reply = _Reply(sample, target.api is Api.CHAT, time.perf_counter())
+    parser = reply.parser = httptools.HttpResponseParser(reply)
     try:
-        async with http.stream("POST", target.url + _path(target), content=body, headers=headers) as reply:
-            if reply.status_code != 200:
-                await reply.aread()
-                sample.error = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                return sample
-            async for chunk in reply.aiter_raw():
-                now = time.perf_counter()
-                buffer += chunk
-                *frames, buffer = buffer.split(b"\n\n")
-                for frame in frames:
-                    count = tokens_in(frame, is_chat)
-                    if count:
-                        if last is None:
-                            sample.ttft = now - started
-                        else:
-                            gap = now - last
-                            sample.gaps.append(gap)
-                            sample.max_gap = max(sample.max_gap, gap)
-                        sample.gaps.extend([0.0] * (count - 1))
-                        sample.tokens += count
-                        last = now
-                    elif is_end(frame, is_chat):
-                        ended = True
-                    elif not is_chat and any(kind in frame for kind in _RESPONSE_FAILS):
-                        sample.error = frame.decode(errors="replace")[:300]
-    except (httpx2.HTTPError, OSError) as exc:
+        reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    except OSError as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         return sample
-    if sample.error is None and not ended:
+    try:
+        writer.write(head.encode() + body)
+        while not reply.complete:
+            data = await reader.read(65536)
+            if not data:
+                break
+            parser.feed_data(data)
+    except (OSError, httptools.HttpParserError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        return sample
+    finally:
+        writer.close()
+    if reply.status != 200:
+        sample.error = f"HTTP {reply.status}: {reply.buffer[:200].decode(errors='replace')}"
+    elif sample.error is None and not reply.ended:
         sample.error = "the stream ended without its last event"
     if sample.error is None and sample.tokens != expected:
         sample.error = f"{sample.tokens} tokens of {expected}"
     return sample
+
+
+class _Reply:
+    """httptools' callbacks for one streamed reply: frames counted as their bytes arrive."""
+
+    def __init__(self, sample: StreamSample, is_chat: bool, started: float) -> None:
+        self.sample, self.is_chat, self.started = sample, is_chat, started
+        self.parser: httptools.HttpResponseParser | None = None
+        self.status = 0
+        self.buffer = b""
+        self.last: float | None = None
+        self.ended = self.complete = False
+
+    def on_status(self, status: bytes) -> None:
+        pass  # the code is read from the parser once the headers are in
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, data: bytes) -> None:
+        now = time.perf_counter()
+        self.buffer += data
+        if self.status != 200:
+            return  # kept whole, for the error
+        *frames, self.buffer = self.buffer.split(b"\n\n")
+        sample = self.sample
+        for frame in frames:
+            count = tokens_in(frame, self.is_chat)
+            if count:
+                if self.last is None:
+                    sample.ttft = now - self.started
+                else:
+                    gap = now - self.last
+                    sample.gaps.append(gap)
+                    sample.max_gap = max(sample.max_gap, gap)
+                sample.gaps.extend([0.0] * (count - 1))
+                sample.tokens += count
+                self.last = now
+            elif is_end(frame, self.is_chat):
+                self.ended = True
+            elif not self.is_chat and any(kind in frame for kind in _RESPONSE_FAILS):
+                sample.error = frame.decode(errors="replace")[:300]
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 def tokens_in(frame: bytes, is_chat: bool) -> int:
@@ -170,17 +214,16 @@ async def streams(
 ) -> list[StreamSample]:
     """`count` streams, `concurrency` at a time; the first wave starts spread over `ramp_seconds`.
 
-    Each run has a client of its own, sized to it: no run inherits the connections of another."""
+    Each stream has a connection of its own: no run inherits the connections of another."""
     model = model_name(tokens, pace_ms)
     samples: list[StreamSample] = []
-    async with client(concurrency) as http:
 
-        async def one(index: int) -> None:
-            if index < concurrency and ramp_seconds > 0:
-                await asyncio.sleep(ramp_seconds * index / concurrency)
-            samples.append(await stream_once(http, target, model, tokens))
+    async def one(index: int) -> None:
+        if index < concurrency and ramp_seconds > 0:
+            await asyncio.sleep(ramp_seconds * index / concurrency)
+        samples.append(await stream_once(target, model, tokens))
 
-        await closed_loop(concurrency, count, one, on_done)
+    await closed_loop(concurrency, count, one, on_done)
     return samples
 
 

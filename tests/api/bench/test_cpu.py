@@ -28,10 +28,12 @@ time.sleep(60)
 def test_a_tree_counts_its_processes_and_the_children_they_reaped() -> None:
     with subprocess.Popen([sys.executable, "-c", BURNING], stdout=subprocess.PIPE, text=True) as parent:
         tree = cpu.Tree([psutil.Process(parent.pid)])
-        before = cpu.read({"tree": tree})
+        trees = {"tree": tree, "me": cpu.own()}  # this process alone: its children are not its cost
+        before = cpu.read(trees)
         assert parent.stdout is not None and parent.stdout.readline().strip() == "done"
-        after = cpu.read({"tree": tree})
+        after = cpu.read(trees)
         spent = cpu.spent(before, after)["tree"]
+        assert cpu.spent(before, after)["me"] < 0.3  # it waited on a pipe meanwhile
         assert 0.55 <= spent <= 2.0, spent  # the child's 0.4 s (reaped) and the parent's 0.2 s, at least
         idle = cpu.idle_rates({"tree": tree}, 0.5)["tree"]
         assert idle < 0.05  # it sleeps now
