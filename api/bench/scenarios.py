@@ -260,6 +260,7 @@ async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any
             result["streams"][str(concurrency)] = {
                 "tokens": tokens,
                 "clean": sum(sample.is_clean(plan.cost_tokens) for sample in samples),
+                "first_error": next((sample.error for sample in samples if sample.error), None),
                 "us_per_token": cpu.per_unit(used["system"], tokens, 1e6),
                 "load_us_per_token": cpu.per_unit(used["load"], tokens, 1e6),
             }
