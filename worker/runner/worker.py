@@ -317,8 +317,10 @@ class ResponseWorker(BaseWorker):
         A lease found lost (this worker was frozen past its TTL, and the response may run elsewhere
         now) stops its attempt at once, and its RQ execution is no longer kept alive.
         """
-        leases = list(self._runtime.held.values())
-        lost = await self._runtime.leases.renew(leases)
+        held = self._runtime.held
+        lost = await self._runtime.leases.renew(list(held.values()))
+        # A response that ended while the renewal was under way gave its lease back: not lost.
+        lost = [lease for lease in lost if held.get(lease.response_id) is lease]
         for lease in lost:
             log.warning("response %s: lease lost (attempt %d); stopping it", lease.response_id, lease.attempt)
             self._runtime.interrupt(lease.response_id, RunEnd.FENCED)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 from rq import Queue
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 
-from tests.support.stack import Stack, wait_for
+from tests.conftest import make_sdk, own_stack
+from tests.support.faults import wait_until_ended
+from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 
 pytestmark = [pytest.mark.integration, pytest.mark.once]
@@ -57,3 +60,33 @@ def test_jobs_name_the_job_function_by_a_path_every_release_resolves() -> None:
 
     assert JOB_FUNCTION == "worker.runner.run_job"
     assert import_attribute(JOB_FUNCTION) is run_job
+
+
+def test_responses_that_end_while_their_leases_are_renewed_are_not_told_lost(
+    backing: Servers, session_dir: Path, stack: Stack, upstream: ScriptedUpstream, model: str
+) -> None:
+    """A worker renewing its leases every 20 ms while 150 responses end together: a lease given back
+    by a response that ended during a renewal is not "lost" (that would fence a response that is
+    already over, and say so in the log)."""
+    running = own_stack(
+        backing,
+        session_dir,
+        "renewals",
+        RESPOOL_UPSTREAM_URL=upstream.url,
+        RESPOOL_UPSTREAM_API="chat",
+        RESPOOL_HEARTBEAT_SECONDS="0.02",
+    )
+    running.start_api()
+    running.start_worker()
+    try:
+        upstream.script(model, {"text": "fine", "first_delay": 1.0})  # created first, ending together
+        with make_sdk(running.url, "unused") as sdk, ThreadPoolExecutor(16) as pool:
+            created = list(
+                pool.map(
+                    lambda n: sdk.responses.create(model=model, input="x", background=True).id, range(150)
+                )
+            )
+            assert set(wait_until_ended(sdk, created, timeout=90).values()) == {"completed"}
+        assert "lease lost" not in running.log("worker")
+    finally:
+        running.stop_all()
