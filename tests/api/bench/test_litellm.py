@@ -84,6 +84,7 @@ def test_environment_keeps_our_secrets_and_databases_out() -> None:
     assert not {"DATABASE_URL", "LITELLM_MASTER_KEY", "PYTHONPATH", "HTTPS_PROXY"} & set(env)
     assert env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
     assert env["LITELLM_LOG"] == "ERROR"
+    assert int(env["REPEATED_STREAMING_CHUNK_LIMIT"]) >= 10_000  # the bench's tokens all look alike
 
 
 def test_find_litellm_takes_it_from_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
