@@ -11,7 +11,6 @@ A difference of two readings is what the tree spent between them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -91,7 +90,3 @@ def idle_rates(trees: dict[str, Tree], seconds: float) -> dict[str, float]:
 def per_unit(spent_seconds: float, units: int, scale: float) -> float | None:
     """`spent_seconds` per unit (a token, a request) in `scale` units of time (1e6: µs, 1e3: ms)."""
     return None if units <= 0 else round(spent_seconds / units * scale, 1)
-
-
-def pids(trees: dict[str, Tree]) -> dict[str, Iterable[int]]:
-    return {name: sorted(process.pid for process in tree.processes()) for name, tree in trees.items()}

@@ -138,9 +138,6 @@ class _Reply:
         self.last: float | None = None
         self.ended = self.complete = False
 
-    def on_status(self, status: bytes) -> None:
-        pass  # the code is read from the parser once the headers are in
-
     def on_headers_complete(self) -> None:
         assert self.parser is not None
         self.status = self.parser.get_status_code()
@@ -260,10 +257,7 @@ async def short_requests(
     result = Throughput()
     key = TOLD_KEY if told is not None else "bench"
     headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
-    if target.api is Api.CHAT:
-        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
-    else:
-        body = orjson.dumps({"model": model, "input": "Hi.", "background": background})
+    body = _short_body(target, model, background)
     url = target.url + _path(target)
     deadline = time.perf_counter() + seconds
 
@@ -309,6 +303,12 @@ async def short_requests(
     return result
 
 
+def _short_body(target: Target, model: str, background: bool) -> bytes:
+    if target.api is Api.CHAT:
+        return orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
+    return orjson.dumps({"model": model, "input": "Hi.", "background": background})
+
+
 def _status(reply: httpx2.Response) -> str:
     if reply.status_code != 200:
         return "error"
@@ -336,10 +336,7 @@ async def short_count(
     polled every `poll_seconds` until it ended."""
     result = Counted()
     headers = {"content-type": "application/json", "authorization": "Bearer bench"}
-    if target.api is Api.CHAT:
-        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi."}]})
-    else:
-        body = orjson.dumps({"model": model, "input": "Hi.", "background": background})
+    body = _short_body(target, model, background)
     async with client(concurrency) as http:
 
         async def one(index: int) -> None:

@@ -63,7 +63,6 @@ class Deliverer:
         policy: OutboundPolicy,
         metrics: WorkerMetrics,
     ) -> None:
-        self.engine = engine
         self.autocommit = store.single_statements(engine)  # every statement here is one transaction
         self.redis = redis
         self.queue = settings.queue

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -193,6 +194,25 @@ async def test_an_orphan_the_sweep_ends_tells_its_owner_once(
     assert (event.type, event.data.id, event.id) == ("response.failed", orphan, delivery_id)
 
 
+async def _one_attempt(backing: Servers, settings: Settings, name: str) -> dict[str, Any]:
+    """An orphan ended by the sweep, its delivery attempted once by a Deliverer: what was recorded."""
+    orphan = f"resp_{settings.queue.replace('-', '')}{name}"
+    _insert_live(settings.database_url, "queued", [orphan])
+    assert await _sweep(backing, settings, pages=4) == 1
+    rt = await open_runtime(settings, "test:deliver", 1)
+    deliverer = Deliverer(settings, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
+    try:
+        async with rt.engine.connect() as conn:
+            (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+        await deliverer.deliver(delivery_id)
+        async with rt.engine.connect() as conn:
+            (told,) = await deliveries.of_response(conn, orphan)
+    finally:
+        await deliverer.close()
+        await close_runtime(rt)
+    return told
+
+
 @pytest.mark.parametrize(
     ("url", "kind"),
     [
@@ -213,13 +233,11 @@ async def test_a_webhook_endpoint_at_a_non_public_address_stops_the_worker_at_st
     try:
         with pytest.raises(ConfigError) as refused:
             Deliverer(hooked, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
-        assert f"webhook endpoint 'default': '{url.split('/')[2].split(':')[0]}' is {kind}" in str(
-            refused.value
-        )
+        assert f"webhook endpoint 'default': '{urlsplit(url).hostname}' is {kind}" in str(refused.value)
         assert "RESPOOL_OUTBOUND_ALLOWLIST" in str(refused.value)
     finally:
         await close_runtime(rt)
-    opened = hooked.model_copy(update={"outbound_allowlist": url.split("/")[2].split(":")[0]})
+    opened = hooked.model_copy(update={"outbound_allowlist": urlsplit(url).hostname})
     rt = await open_runtime(opened, "test:ssrf", 1)
     try:
         await Deliverer(opened, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics).close()
@@ -237,45 +255,13 @@ async def test_a_webhook_endpoint_whose_name_resolves_to_a_loopback_address_is_r
     resolved = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, 80)}
     assert resolved and all(address.is_loopback for address in resolved), f"{host} -> {resolved}"
     monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"ssrf").decode())
-    orphan = f"resp_{settings.queue.replace('-', '')}ssrf"
-    _insert_live(settings.database_url, "queued", [orphan])
     with Receiver.start() as receiver:
         hooked = settings.model_copy(update={"webhook_url": f"http://{host}:{receiver.port}/hook"})
-        assert await _sweep(backing, hooked, pages=4) == 1
-        rt = await open_runtime(hooked, "test:ssrf", 1)
-        deliverer = Deliverer(hooked, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
-        try:
-            async with rt.engine.connect() as conn:
-                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
-            await deliverer.deliver(delivery_id)
-            async with rt.engine.connect() as conn:
-                (told,) = await deliveries.of_response(conn, orphan)
-        finally:
-            await deliverer.close()
-            await close_runtime(rt)
+        told = await _one_attempt(backing, hooked, "ssrf")
         assert receiver.deliveries == []
     assert (told["status"], told["attempts"]) == ("pending", 1)
     assert f"could not reach the endpoint: '{host}' is a loopback address" in told["last_error"]
     assert told["attempt_log"][0]["error"] == told["last_error"]
-
-
-async def _one_attempt(backing: Servers, settings: Settings, receiver: Receiver, name: str) -> dict[str, Any]:
-    """An orphan ended by the sweep, its delivery attempted once by a Deliverer: what was recorded."""
-    orphan = f"resp_{settings.queue.replace('-', '')}{name}"
-    _insert_live(settings.database_url, "queued", [orphan])
-    assert await _sweep(backing, settings, pages=4) == 1
-    rt = await open_runtime(settings, "test:deliver", 1)
-    deliverer = Deliverer(settings, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
-    try:
-        async with rt.engine.connect() as conn:
-            (delivery_id,) = await deliveries.due(conn, ["default"], 10)
-        await deliverer.deliver(delivery_id)
-        async with rt.engine.connect() as conn:
-            (told,) = await deliveries.of_response(conn, orphan)
-    finally:
-        await deliverer.close()
-        await close_runtime(rt)
-    return told
 
 
 async def test_a_receivers_retry_after_sets_when_the_next_attempt_is(
@@ -297,7 +283,7 @@ async def test_a_receivers_retry_after_sets_when_the_next_attempt_is(
         for name, hint, waits in (("seconds", "30", 30), ("date", in_a_minute, 60)):
             receiver.answers = [(503, {"retry-after": hint})]
             told = await _one_attempt(
-                backing, hooked.model_copy(update={"queue": f"{settings.queue}{name}"}), receiver, name
+                backing, hooked.model_copy(update={"queue": f"{settings.queue}{name}"}), name
             )
             (attempt,) = told["attempt_log"]
             assert (told["status"], attempt["status_code"]) == ("pending", 503)
@@ -320,7 +306,7 @@ async def test_a_receiver_that_does_not_answer_in_time_is_an_attempt_failed(
                 "webhook_timeout_seconds": 0.5,
             }
         )
-        told = await _one_attempt(backing, hooked, receiver, "slow")
+        told = await _one_attempt(backing, hooked, "slow")
     (attempt,) = told["attempt_log"]
     assert (told["status"], attempt["status_code"]) == ("pending", None)
     assert attempt["error"] == "no answer within 0.5 s"
