@@ -62,6 +62,7 @@ class Runtime:
     compaction_keys: SecretStr | None = None  # RESPOOL_COMPACTION_KEYS (None: the key in Postgres)
     compact_threshold_tokens: int = 24000  # `context_management`'s when it gives none and none is known
     compact_summary_tokens: int = 2048  # the longest summary a compaction asks for
+    batch_seconds: float = 0.0  # RESPOOL_BATCH_MS (EventLog)
     log: EventLog = field(init=False)
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -72,7 +73,7 @@ class Runtime:
     _sealer: Sealer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.log = EventLog(self.redis, on_append=self.metrics.events.inc)
+        self.log = EventLog(self.redis, on_append=self.metrics.events.inc, batch_seconds=self.batch_seconds)
         self.autocommit = store.single_statements(self.engine)
         self.metrics.in_flight.set_function(lambda: len(self.running))
 
@@ -127,6 +128,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         compaction_keys=settings.compaction_keys,
         compact_threshold_tokens=settings.compact_threshold_tokens,
         compact_summary_tokens=settings.compact_summary_tokens,
+        batch_seconds=settings.batch_ms / 1000,
     )
 
 

@@ -106,6 +106,7 @@ class ResponseService:
             blocking_client(settings.redis_url, TAILER_BLOCK_MS / 1000, settings.redis_timeout_seconds),
             block_ms=TAILER_BLOCK_MS,
             finishing_seconds=finishing,
+            batch_seconds=settings.batch_ms / 1000,
         )
         self.notifier = Notifier(self.routes.webhooks, redis, delivery_queue(sync_redis, settings.queue))
         self.cancellation = Cancellation(settings, engine, self.autocommit, redis, self.queue, self.notifier)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import ConnectionPool, Redis
@@ -163,3 +165,52 @@ async def test_the_mark_expires_with_a_finished_stream(redis: Redis) -> None:
     await expire_response(redis, response_id, 100)
     await read_events_observed(redis, response_id)
     assert 0 < await redis.ttl(observed_key(response_id)) <= 100
+
+
+async def test_a_lone_stream_never_waits_for_the_batch_interval(redis: Redis) -> None:
+    """Appends of one response, one at a time, go at once: with an interval of an hour they all land."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await Leases(redis, 5).acquire(response_id, "a")
+    assert lease is not None
+    log = EventLog(redis, batch_seconds=3600)
+    for index, event in enumerate(_events(0, 20)):
+        result = await asyncio.wait_for(log.append(lease, [encode(event, index)]), 10)
+        assert result is AppendResult.OK
+    assert len(await read_events(redis, response_id)) == 20
+
+
+async def test_under_load_many_streams_share_one_round_trip(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a round trip that carried more than one append, the next waits out the interval and
+    takes every append that came meanwhile, each stream's in order."""
+    leases = Leases(redis, 30)
+    log = EventLog(redis, batch_seconds=2.0)
+    round_trips: list[int] = []
+    execute = log._execute
+
+    async def counted(batch: list[Any]) -> list[Any]:
+        round_trips.append(len(batch))
+        return await execute(batch)
+
+    monkeypatch.setattr(log, "_execute", counted)
+    ids = [f"resp_{uuid.uuid4().hex}" for _ in range(10)]
+    held = [await leases.acquire(response_id, "a") for response_id in ids]
+    assert all(lease is not None for lease in held)
+
+    async def append(lease: Lease | None, sequence_number: int) -> AppendResult:
+        assert lease is not None
+        return await log.append(lease, [encode(_events(sequence_number, 1)[0], sequence_number)])
+
+    # Two at once: one round trip of two.
+    assert await asyncio.gather(append(held[0], 0), append(held[1], 0)) == [AppendResult.OK] * 2
+    # Then ten streams' appends arriving 5 ms apart, within the interval: one round trip.
+    tasks = []
+    for lease in held:
+        tasks.append(asyncio.create_task(append(lease, 1 if lease in held[:2] else 0)))
+        await asyncio.sleep(0.005)
+    assert await asyncio.gather(*tasks) == [AppendResult.OK] * 10
+    assert round_trips == [2, 10]
+    for response_id, count in zip(ids, [2, 2] + [1] * 8, strict=True):
+        events = await read_events(redis, response_id)
+        assert [event.sequence_number for event in events] == list(range(count))

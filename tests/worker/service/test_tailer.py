@@ -1,0 +1,114 @@
+"""The tailer on a real Redis: a lone stream's events relayed at once, many streams' read together."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.stack import Servers
+from worker.connections import blocking_client, connect
+from worker.events.stream import Event, add_events, encode
+from worker.service.tailer import Tailer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis(backing: Servers) -> AsyncIterator[Redis]:
+    client = connect(backing.redis_url, max_connections=4)
+    yield client
+    await client.aclose()
+    await client.connection_pool.disconnect()  # the client does not own a pool it was given
+
+
+async def _tailer(backing: Servers, redis: Redis, batch_seconds: float) -> Tailer:
+    tailer = Tailer(
+        redis, blocking_client(backing.redis_url, 10, 5), block_ms=10_000, batch_seconds=batch_seconds
+    )
+    await tailer.start()
+    return tailer
+
+
+async def _append(
+    redis: Redis, response_id: str, sequence_number: int, kind: str = "response.output_text.delta"
+) -> None:
+    event = encode({"type": kind, "delta": "x"}, sequence_number)
+    async with redis.pipeline(transaction=False) as pipe:
+        add_events(pipe, response_id, [event])
+        await pipe.execute()
+
+
+async def _next(events: AsyncIterator[Event | None]) -> Event:
+    event = await asyncio.wait_for(anext(events), 10)
+    assert event is not None
+    return event
+
+
+async def test_a_lone_stream_is_relayed_event_by_event_without_waiting(
+    backing: Servers, redis: Redis
+) -> None:
+    """Each read brings one event, so none waits out the interval: with an hour's, all 20 come."""
+    tailer = await _tailer(backing, redis, batch_seconds=3600)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        events = tailer.follow(response_id)
+        assert (await _next(events)).sequence_number == 0
+        for sequence_number in range(1, 21):
+            await _append(redis, response_id, sequence_number)
+            assert (await _next(events)).sequence_number == sequence_number
+        await events.aclose()
+    finally:
+        await tailer.stop()
+
+
+async def test_under_load_one_read_brings_many_streams_events(
+    backing: Servers, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a read that brought more than one event, the next waits out the interval and brings
+    what every stream appended meanwhile, to each follower in order."""
+    tailer = await _tailer(backing, redis, batch_seconds=2.0)
+    reads: list[int] = []
+    read_once = tailer._read_once
+
+    async def counted() -> int:
+        brought = await read_once()
+        if brought:
+            reads.append(brought)
+        return brought
+
+    monkeypatch.setattr(tailer, "_read_once", counted)
+    try:
+        ids = [f"resp_{uuid.uuid4().hex}" for _ in range(3)]
+        followers = []
+        for response_id in ids:
+            await _append(redis, response_id, 0, "response.created")
+            events = tailer.follow(response_id)
+            assert (await _next(events)).sequence_number == 0  # the replay's
+            followers.append(events)
+        waiting = [asyncio.ensure_future(_next(events)) for events in followers]
+        await asyncio.sleep(0.2)  # the followers are live: the tailer blocks on their streams
+        async with redis.pipeline(transaction=True) as pipe:  # two events at once: one read of two
+            add_events(pipe, ids[0], [encode({"type": "response.in_progress"}, n) for n in (1, 2)])
+            await pipe.execute()
+        assert (await waiting[0]).sequence_number == 1
+        assert (await _next(followers[0])).sequence_number == 2
+        for offset in (1, 2):  # then six appends 5 ms apart, within the interval: one read
+            for response_id in ids:
+                await _append(redis, response_id, offset + (2 if response_id == ids[0] else 0))
+                await asyncio.sleep(0.005)
+        got = [[(await _next(events)).sequence_number for _ in range(2)] for events in followers[:1]]
+        got += [
+            [(await first).sequence_number, (await _next(events)).sequence_number]
+            for first, events in zip(waiting[1:], followers[1:], strict=True)
+        ]
+        assert got == [[3, 4], [1, 2], [1, 2]]
+        assert reads == [2, 6]
+        for events in followers:
+            await events.aclose()
+    finally:
+        await tailer.stop()
