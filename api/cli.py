@@ -133,7 +133,7 @@ def show_deliveries(settings: Settings, response_id: str) -> int:
     from worker.postgres import deliveries, store
 
     async def read() -> list[dict[str, Any]]:
-        engine = store.create_engine(settings.database_url, pool_size=1)
+        engine = store.create_engine(settings.database_url, connections=2)
         try:
             async with engine.connect() as conn:
                 return await deliveries.of_response(conn, response_id)

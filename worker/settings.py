@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # 503, and the `retry-after` it sends with it (the SDK honours up to 120 s, PROTOCOL.md §5.5).
     redis_timeout_seconds: float = Field(default=5.0, gt=0)
     database_connect_timeout_seconds: int = Field(default=5, ge=1)
+    # The most Postgres connections one process (an API replica, a worker) holds; each is kept once
+    # opened (store.create_engine). Postgres' max_connections must cover their sum.
+    database_connections: int = Field(default=20, gt=0)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
 
     # Limits on what one request may carry (issue 7): a body over max_body_bytes is refused with

@@ -59,7 +59,7 @@ class Plan:
     cost_pace_ms: int = 20
     cost_requests: int = 400  # short requests (and polls), `cost_concurrency` at a time
     cost_concurrency: int = 16
-    idle_seconds: float = 3.0  # how long each tree is watched idle, to subtract
+    idle_seconds: float = 10.0  # how long each tree is watched idle (its periodic work comes every 2 s)
 
     @classmethod
     def quick(cls) -> Plan:

@@ -52,6 +52,7 @@ _REDIS_READY_SECONDS = 10.0
 _POSTGRES_READY_SECONDS = 60.0  # crash recovery after an unclean stop can take a while
 _POLL_SECONDS = 0.05
 _POSTGRES_PORT = 5432  # only names the socket file, which lives in a private dir
+_POSTGRES_MAX_CONNECTIONS = 400
 _SOCKET_DIR_PREFIX = "respool-pg-"
 _SOCKET_DIR_RECORD = "postgres.socket-dir"  # in the data dir: where the current socket dir is
 _POSTGRES_OS_USER = "pgserver"  # the user pgserver itself runs as under root: its clusters stay usable
@@ -399,6 +400,9 @@ def _postmaster_argv(bin_dir: Path, pgdata: Path, socket_dir: Path) -> list[str]
         "-c", "listen_addresses=",  # no TCP: trust auth is safe only behind a private socket dir
         "-c", f'unix_socket_directories="{socket_dir}"',
         "-c", f"port={_POSTGRES_PORT}",
+        # Each API and worker process keeps up to RESPOOL_DATABASE_CONNECTIONS (20): room for
+        # `respool up --workers` well past the cores of one machine (Postgres' default is 100).
+        "-c", f"max_connections={_POSTGRES_MAX_CONNECTIONS}",
     ]  # fmt: skip
 
 

@@ -154,7 +154,7 @@ def test_compose_api_health_check_asks_a_served_path() -> None:
 
 def test_compose_gives_every_respool_process_its_servers() -> None:
     """migrate, api and worker all get RESPOOL_REDIS_URL and RESPOOL_DATABASE_URL, and api and worker
-    start only after the migration succeeded."""
+    start only after the migration succeeded; Postgres has room for their connections."""
     services = _compose()["services"]
     for name in RESPOOL_SERVICES:
         environment = services[name]["environment"]
@@ -164,6 +164,8 @@ def test_compose_gives_every_respool_process_its_servers() -> None:
     for name in ("api", "worker"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert "--appendonly" in services["redis"]["command"]
+    # Room for each API replica's and worker's RESPOOL_DATABASE_CONNECTIONS (20) at --scale worker=N.
+    assert "max_connections=400" in services["postgres"]["command"]
 
 
 def test_every_command_is_a_respool_command() -> None:

@@ -200,9 +200,9 @@ async def queue_due(
 ) -> int:
     """Queue an attempt of every pending delivery to an endpoint this process configures that is
     due and has no live job; give up those past `max_age_seconds` that nobody sends. How many were
-    queued."""
+    queued. `engine` runs each statement as its own transaction (store.single_statements)."""
     names = [endpoint.name for endpoint in notifier.endpoints]
-    async with engine.begin() as conn:
+    async with engine.connect() as conn:
         if await deliveries.give_up_expired(conn, max_age_seconds):
             log.warning(
                 "webhook deliveries past RESPOOL_WEBHOOK_MAX_AGE_SECONDS that nobody sent were given up"

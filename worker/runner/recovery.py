@@ -56,7 +56,9 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
         return 0
     ended = await end_orphans(rt, settings, job_statuses)
-    async with rt.engine.begin() as conn:
+    # Each statement its own transaction (autocommit), here and in the pages below: a sweep runs
+    # every few seconds on an idle system too, and BEGIN and COMMIT were two round trips of three.
+    async with rt.autocommit.connect() as conn:
         deleted = await store.delete_expired(conn, settings.retention_days, BATCH)
         await deliveries.delete_expired(conn, settings.retention_days, BATCH)
     if deleted:
@@ -81,7 +83,7 @@ async def end_orphans(
     async def page(status: Status, after: store.LivePosition | None) -> tuple[store.LivePosition | None, int]:
         """End the unheld of one page after `after`: where the next page starts (None: this was
         the last), and the number ended."""
-        async with rt.engine.connect() as conn:
+        async with rt.autocommit.connect() as conn:
             rows = await store.live_response_ids(conn, status, grace, batch, after)
         ended = await _end_unheld(rt, [response_id for _, response_id in rows], job_statuses)
         return (rows[-1] if len(rows) == batch else None), ended

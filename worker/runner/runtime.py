@@ -110,7 +110,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     deliveries = delivery_queue(sync_client(settings.redis_url), settings.queue)
     return Runtime(
         notifier=Notifier(routes.webhooks, redis, deliveries),
-        engine=store.create_engine(settings.database_url, pool_size=min(20, max(5, concurrency // 10))),
+        engine=store.create_engine(settings.database_url, connections=settings.database_connections),
         redis=redis,
         http=create_client(
             settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds

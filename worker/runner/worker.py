@@ -17,7 +17,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +79,9 @@ class ResponseWorker(BaseWorker):
         # Webhook deliveries have slots of their own: slow receivers never take a response's.
         self._delivery_slots = threading.Semaphore(settings.webhook_concurrency)
         self._running: dict[str, _Running] = {}
+        # Held while a job's end is recorded and while the executions' heartbeat is sent: a
+        # heartbeat that took a job as running must not land after its end (see `_ended`).
+        self._records = threading.Lock()
         self._loop = uvloop.new_event_loop()  # libuv's loop: a third of asyncio's cost per I/O callback
         self._thread = threading.Thread(target=self._loop.run_forever, name="responses", daemon=True)
         self._thread.start()
@@ -271,15 +274,26 @@ class ResponseWorker(BaseWorker):
         except BaseException:
             exc_info = sys.exc_info()
             log.exception("response %s: the job failed", job.id)
-            await asyncio.to_thread(self._finalize_failure, job, queue, execution, exc_info)
+            await asyncio.to_thread(self._ended, job, self._finalize_failure, job, queue, execution, exc_info)
         else:
             try:
-                await asyncio.to_thread(self._finalize, end, job, queue, execution)
+                await asyncio.to_thread(self._ended, job, self._finalize, end, job, queue, execution)
             except Exception:
                 log.exception("response %s: recording how its run ended (%s) with RQ failed", job.id, end)
         finally:
             self._running.pop(job.id, None)
             (self._delivery_slots if is_delivery else self._slots).release()
+
+    def _ended(self, job: Job, record: Callable[..., None], *args: Any) -> None:
+        """Write a job's end with `record` and take it out of those running, while no executions'
+        heartbeat is under way: one that took the job as running before it ended would write the
+        job's `last_heartbeat` after its end, and a delivery's job hash, deleted at its end, would
+        come back as a hash of that one field, which RQ cannot read."""
+        with self._records:
+            try:
+                record(*args)
+            finally:
+                self._running.pop(job.id, None)
 
     def _finalize(self, end: RunEnd, job: Job, queue: Queue, execution: Execution) -> None:
         """Tell RQ how the run ended (DESIGN.md §4)."""
@@ -298,7 +312,32 @@ class ResponseWorker(BaseWorker):
                 pipe.execute()
             log.info("response %s: requeued for another worker", job.id)
         else:
-            self._finalize_success(job, queue, execution, None)
+            self._finish(job, execution)
+
+    def _finish(self, job: Job, execution: Execution) -> None:
+        """RQ's records of a job that ran to its end, in one round trip: those RQ's
+        `handle_job_success` writes (the job finished, its result, the finished registry, the
+        execution gone, the worker's counts), without what it adds for features respool's jobs do
+        not use (dependents under WATCH, repeats, callbacks, rate limits) and the heartbeat it
+        writes first: one round trip where RQ's took four."""
+        job.ended_at = now()
+        job._status = JobStatus.FINISHED
+        result_ttl = job.get_result_ttl(self.default_result_ttl)
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            self.increment_total_working_time(job.ended_at - (job.started_at or job.ended_at), pipe)
+            if result_ttl != 0:
+                job._handle_success(
+                    result_ttl,
+                    pipeline=pipe,
+                    worker_name=self.name,
+                    execution_id=execution.id,
+                    execution_started_at=execution.created_at,
+                    execution_ended_at=job.ended_at,
+                )
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            pipe.execute()
 
     async def _every(self, seconds: float, action: Any) -> None:
         while True:
@@ -329,7 +368,7 @@ class ResponseWorker(BaseWorker):
 
     def _heartbeat_executions(self, fenced: set[str]) -> None:
         ttl = self._settings.registry_seconds
-        with self.connection.pipeline() as pipe:
+        with self._records, self.connection.pipeline() as pipe:
             self.heartbeat(pipeline=pipe)
             for running in list(self._running.values()):
                 if running.job.id in fenced:
@@ -347,7 +386,7 @@ class ResponseWorker(BaseWorker):
         ):
             await asyncio.to_thread(self._clean_registries)
         await queue_due(
-            self._runtime.engine,
+            self._runtime.autocommit,
             self._runtime.notifier,
             self._delivery_statuses,
             self._settings.webhook_max_age_seconds,

@@ -118,7 +118,9 @@ class ResponseService:
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
         engine = store.create_engine(
-            settings.database_url, connect_timeout_seconds=settings.database_connect_timeout_seconds
+            settings.database_url,
+            connections=settings.database_connections,
+            connect_timeout_seconds=settings.database_connect_timeout_seconds,
         )
         timeout = settings.redis_timeout_seconds
         redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)

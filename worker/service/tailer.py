@@ -19,16 +19,15 @@ import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, Final
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from worker.events.stream import (
-    Entry,
     Event,
-    decode_entry,
+    decode_flat,
     entry_id,
     last_event,
     read_events,
@@ -42,10 +41,51 @@ REPLAY_PAGE = 1000
 TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
 
 
+# A stream entry as Redis sends it: its id and its fields, `[name, value, ...]`.
+type FlatEntry = tuple[bytes, list[bytes]]
+
+
+class _Idle:
+    """What a subscriber's idle timer puts in its queue: nothing came for `idle_seconds`."""
+
+
+_IDLE: Final = _Idle()
+
+
 @dataclass(eq=False)
 class _Subscriber:
     position: int
-    queue: asyncio.Queue[Event | RedisError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Event | RedisError | _Idle] = field(default_factory=asyncio.Queue)
+    taken_at: float = 0.0  # the loop time its reader last took something from `queue`
+
+
+class _IdleTimer:
+    """One timer per subscriber, re-armed when it fires, that puts `_IDLE` once nothing was taken
+    for `seconds`: a timer for each event (`wait_for`) cost a tenth of an API's CPU per token."""
+
+    def __init__(self, subscriber: _Subscriber, seconds: float) -> None:
+        self._subscriber = subscriber
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(seconds, self._fire)
+
+    def _fire(self) -> None:
+        subscriber = self._subscriber
+        quiet = self._loop.time() - subscriber.taken_at
+        if quiet >= self._seconds:
+            if subscriber.queue.empty():  # else its reader has yet to take what is there
+                subscriber.queue.put_nowait(_IDLE)
+            quiet = 0.0
+        self._handle = self._loop.call_later(self._seconds - quiet, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _as_sent(response: Any, **kwargs: Any) -> Any:
+    """XREAD's reply left as Redis sent it: redis-py's parsing of it (a dict per entry) was a
+    seventh of an API's CPU per token."""
+    return response
 
 
 class Tailer:
@@ -70,6 +110,7 @@ class Tailer:
         self._wake_position = "0-0"
         self._subscribers: dict[str, set[_Subscriber]] = {}
         self._task: asyncio.Task[None] | None = None
+        blocking.set_response_callback("XREAD", _as_sent)
 
     async def start(self) -> None:
         """Start relaying. With Redis unreachable the process starts all the same (its routes answer
@@ -131,31 +172,35 @@ class Tailer:
         self, response_id: str, position: int, idle_seconds: float | None, until: float | None = None
     ) -> AsyncIterator[Event | None]:
         key = events_key(response_id)
-        subscriber = _Subscriber(position)
+        loop = asyncio.get_running_loop()
+        subscriber = _Subscriber(position, taken_at=loop.time())
         self._subscribers.setdefault(key, set()).add(subscriber)
         await self._poke()
-        loop = asyncio.get_running_loop()
+        timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
         try:
             while True:
-                timeout = idle_seconds
-                if until is not None:
-                    timeout = min(timeout or math.inf, max(0.0, until - loop.time()))
-                try:
-                    if subscriber.queue.empty():
-                        event = await asyncio.wait_for(subscriber.queue.get(), timeout)
-                    else:  # a batch arrived: no timer for each of its events
-                        event = subscriber.queue.get_nowait()
-                except TimeoutError:
-                    if until is not None and loop.time() >= until:
-                        return
+                if until is None:
+                    item = await subscriber.queue.get()
+                else:  # a finished response's last events: no later than `until`
+                    timeout = min(idle_seconds or math.inf, max(0.0, until - loop.time()))
+                    try:
+                        item = await asyncio.wait_for(subscriber.queue.get(), timeout)
+                    except TimeoutError:
+                        if loop.time() >= until:
+                            return
+                        item = _IDLE
+                subscriber.taken_at = loop.time()
+                if isinstance(item, _Idle):
                     yield None
                     continue
-                if isinstance(event, RedisError):
-                    raise RedisConnectionError(f"the live tail lost Redis: {event}") from event
-                yield event
-                if event.is_terminal:
+                if isinstance(item, RedisError):
+                    raise RedisConnectionError(f"the live tail lost Redis: {item}") from item
+                yield item
+                if item.is_terminal:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             subscribers = self._subscribers.get(key)
             if subscribers is not None:
                 subscribers.discard(subscriber)
@@ -193,12 +238,22 @@ class Tailer:
 
     async def _read_once(self) -> int:
         """One XREAD over every followed stream; how many events it brought them."""
-        streams = {self._wake: self._wake_position}
+        keys = [self._wake]
+        positions = [self._wake_position]
         for key, subscribers in self._subscribers.items():
-            streams[key] = entry_id(min(subscriber.position for subscriber in subscribers))
-        reply = await self._blocking.xread(streams, block=self._block_ms)  # type: ignore[arg-type]
+            keys.append(key)
+            positions.append(entry_id(min(subscriber.position for subscriber in subscribers)))
+        reply = await self._blocking.execute_command(  # type: ignore[no-untyped-call]
+            "XREAD", "BLOCK", self._block_ms, "STREAMS", *keys, *positions
+        )
+        if not reply:
+            return 0
+        # RESP3 sends a map of stream to entries, RESP2 a list of (stream, entries) pairs.
+        streams: list[tuple[bytes, list[FlatEntry]]] = list(
+            reply.items() if isinstance(reply, dict) else reply
+        )
         brought = 0
-        for stream, entries in cast(list[tuple[bytes, list[Entry]]], reply or []):
+        for stream, entries in streams:
             name = stream.decode()
             if name == self._wake:
                 self._wake_position = entries[-1][0].decode()
@@ -214,11 +269,11 @@ class Tailer:
                 subscriber.queue.put_nowait(exc)
         self._subscribers.clear()
 
-    def _deliver(self, key: str, entries: list[Entry]) -> None:
+    def _deliver(self, key: str, entries: list[FlatEntry]) -> None:
         subscribers = self._subscribers.get(key)
         if not subscribers:
             return
-        events = [decode_entry(entry, fields) for entry, fields in entries]  # once, for every reader
+        events = [decode_flat(entry, fields) for entry, fields in entries]  # once, for every reader
         for subscriber in subscribers:
             for event in events:
                 if event.sequence_number > subscriber.position:

@@ -157,14 +157,17 @@ def test_redis_keeps_its_url_across_restarts(data_dir: Path) -> None:
 
 
 def test_postgres_is_reachable_only_through_its_socket(data_dir: Path) -> None:
-    """The URL names a private socket dir and the server listens on no TCP address."""
+    """The URL names a private socket dir and the server listens on no TCP address; it allows
+    the connections of many processes (each keeps up to RESPOOL_DATABASE_CONNECTIONS, 20)."""
     server = EmbeddedPostgres.start(data_dir)
     try:
         engine = sa.create_engine(server.url)
         with engine.connect() as connection:
             listen = connection.execute(sa.text("SHOW listen_addresses")).scalar()
+            allowed = connection.execute(sa.text("SHOW max_connections")).scalar()
         engine.dispose()
         assert listen == ""
+        assert allowed == "400"
         assert server.socket_dir.stat().st_mode & 0o077 == 0
     finally:
         server.stop()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from redis.asyncio import ConnectionPool, Redis
+from redis.exceptions import ResponseError
 
-from tests.support.stack import Servers
-from worker.connections import connect, hiredis_packing
+from worker.connections import hiredis_packing
 from worker.errors import FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import (
@@ -24,17 +23,9 @@ from worker.events.stream import (
     read_events_observed,
     start_over,
 )
-from worker.keys import lease_key, observed_key
+from worker.keys import cancel_key, lease_key, observed_key
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def redis(backing: Servers) -> AsyncIterator[Redis]:
-    client = connect(backing.redis_url, max_connections=4)
-    yield client
-    await client.aclose()
-    await client.connection_pool.disconnect()  # the client does not own a pool it was given
 
 
 def _events(first: int, count: int) -> list[dict[str, object]]:
@@ -179,13 +170,8 @@ async def test_a_lone_stream_never_waits_for_the_batch_interval(redis: Redis) ->
     assert len(await read_events(redis, response_id)) == 20
 
 
-async def test_under_load_many_streams_share_one_round_trip(
-    redis: Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a round trip that carried more than one append, the next waits out the interval and
-    takes every append that came meanwhile, each stream's in order."""
-    leases = Leases(redis, 30)
-    log = EventLog(redis, batch_seconds=2.0)
+def _round_trips(log: EventLog, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many appends each of `log`'s round trips carries from now on, filled in as they go."""
     round_trips: list[int] = []
     execute = log._execute
 
@@ -194,6 +180,17 @@ async def test_under_load_many_streams_share_one_round_trip(
         return await execute(batch)
 
     monkeypatch.setattr(log, "_execute", counted)
+    return round_trips
+
+
+async def test_under_load_many_streams_share_one_round_trip(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a round trip that carried more than one append, the next waits out the interval and
+    takes every append that came meanwhile, each stream's in order."""
+    leases = Leases(redis, 30)
+    log = EventLog(redis, batch_seconds=2.0)
+    round_trips = _round_trips(log, monkeypatch)
     ids = [f"resp_{uuid.uuid4().hex}" for _ in range(10)]
     held = [await leases.acquire(response_id, "a") for response_id in ids]
     assert all(lease is not None for lease in held)
@@ -214,3 +211,33 @@ async def test_under_load_many_streams_share_one_round_trip(
     for response_id, count in zip(ids, [2, 2] + [1] * 8, strict=True):
         events = await read_events(redis, response_id)
         assert [event.sequence_number for event in events] == list(range(count))
+
+
+async def test_one_round_trip_answers_each_append_for_itself(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holding a fenced append, a repeated one, a cancelled response's and a plain one:
+    each gets its own answer, and only the refused events are left out."""
+    leases = Leases(redis, 30)
+    ids = [f"resp_{uuid.uuid4().hex}" for _ in range(4)]
+    held = [await leases.acquire(response_id, "a") for response_id in ids]
+    assert all(lease is not None for lease in held)
+    fenced, repeated, cancelled, plain = (lease for lease in held if lease is not None)
+    log = EventLog(redis)
+    assert await log.append(repeated, [encode(_events(0, 1)[0], 0)]) is AppendResult.OK
+    round_trips = _round_trips(log, monkeypatch)
+    await redis.delete(lease_key(fenced.response_id))
+    await redis.set(cancel_key(cancelled.response_id), "1")
+    appends = [
+        log.append(fenced, [encode(event, index) for index, event in enumerate(_events(0, 2))]),
+        log.append(repeated, [encode(event, index) for index, event in enumerate(_events(0, 2))]),
+        log.append(cancelled, [encode(_events(0, 1)[0], 0)]),
+        log.append(plain, [encode(event, index) for index, event in enumerate(_events(0, 3))]),
+    ]
+    results = await asyncio.gather(*appends, return_exceptions=True)
+    assert round_trips == [4]
+    assert results[0] is AppendResult.FENCED
+    assert isinstance(results[1], ResponseError) and "equal or smaller" in str(results[1])
+    assert results[2:] == [AppendResult.CANCEL_REQUESTED, AppendResult.OK]
+    counts = [len(await read_events(redis, response_id)) for response_id in ids]
+    assert counts == [0, 1, 1, 3]  # the repeat stopped at its first refused event

@@ -549,3 +549,31 @@ async def test_a_refusal_says_what_it_was_in_its_code(delays: list[float], statu
     """The upstream's 404 is the model not found, 401/403 our key refused; other refusals are server errors."""
     error = await fail(Upstream(refusal(status, "nope")))
     assert (error.status, error.code) == (status, code)
+
+
+class Chunked(httpx2.AsyncByteStream):
+    """A body sent in chunks of `size` bytes, as a network may cut it."""
+
+    def __init__(self, body: bytes, size: int) -> None:
+        self.body, self.size = body, size
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for start in range(0, len(self.body), self.size):
+            yield self.body[start : start + self.size]
+
+
+# Every line ending the SSE spec allows, comments and other fields between, and a last line
+# with no ending at all.
+MIXED = (
+    b'data: {"n":1}\r\ndata:{"n":2}\rdata: {"n":3}\n\n: a comment\nevent: x\r\n'
+    b'data: {"n":4}\r\n\r\ndata: {"t":"a\xffb"}\n\ndata: [DONE]'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, len(MIXED)])
+async def test_data_lines_are_read_however_the_body_is_cut(delays: list[float], size: int) -> None:
+    """LF, CRLF and CR all end a line, wherever the chunks fall; bytes that are not UTF-8 become
+    U+FFFD, as a text decoder would make them."""
+    answer = httpx2.Response(200, stream=Chunked(MIXED, size), headers={"content-type": "text/event-stream"})
+    got = await collect(Upstream(answer))
+    assert got == [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}, {"t": "a\ufffdb"}]

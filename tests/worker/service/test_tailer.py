@@ -10,19 +10,11 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.support.stack import Servers
-from worker.connections import blocking_client, connect
+from worker.connections import blocking_client
 from worker.events.stream import Event, add_events, encode
 from worker.service.tailer import Tailer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def redis(backing: Servers) -> AsyncIterator[Redis]:
-    client = connect(backing.redis_url, max_connections=4)
-    yield client
-    await client.aclose()
-    await client.connection_pool.disconnect()  # the client does not own a pool it was given
 
 
 async def _tailer(backing: Servers, redis: Redis, batch_seconds: float) -> Tailer:
@@ -110,5 +102,27 @@ async def test_under_load_one_read_brings_many_streams_events(
         assert reads == [2, 6]
         for events in followers:
             await events.aclose()
+    finally:
+        await tailer.stop()
+
+
+async def test_a_follower_hears_of_silence_only_when_there_is_some(backing: Servers, redis: Redis) -> None:
+    """Events closer together than `idle_seconds` bring no idle cue; a silence of twice that does,
+    as `None`, and the stream goes on after it."""
+    tailer = await _tailer(backing, redis, batch_seconds=0.0)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        events = tailer.follow(response_id, idle_seconds=0.4)
+        assert (await _next(events)).sequence_number == 0
+        for sequence_number in range(1, 16):  # 1.5 s of events 0.1 s apart
+            await asyncio.sleep(0.1)
+            await _append(redis, response_id, sequence_number)
+            assert (await _next(events)).sequence_number == sequence_number
+        await asyncio.sleep(0.9)
+        assert await asyncio.wait_for(anext(events), 1) is None
+        await _append(redis, response_id, 16, "response.completed")
+        assert (await _next(events)).type == "response.completed"
+        await events.aclose()
     finally:
         await tailer.stop()
