@@ -165,6 +165,27 @@ async def test_in_progress_orphans_are_all_ended_in_one_sweep_whatever_the_queue
     assert _statuses(settings.database_url, in_progress) == dict.fromkeys(in_progress, "failed")
 
 
+async def test_a_job_record_rq_cannot_read_holds_nothing_and_stops_no_sweep(
+    backing: Servers, settings: Settings, held: list[str]
+) -> None:
+    """An orphan whose job hash holds one stray field (no job RQ could read) is ended with the
+    orphan behind it, and the held responses beside them are left alone: a record RQ cannot read
+    does not stop the sweep at it, sweep after sweep."""
+    garbled, orphan = f"{held[0]}garbled", f"{held[0]}orphan"
+    _insert_live(settings.database_url, "in_progress", [*held, garbled, orphan])
+    with Redis.from_url(backing.redis_url) as connection:
+        connection.hset(Job.key_for(garbled), "last_heartbeat", "2026-11-24T15:22:26.403663Z")
+        try:
+            assert await _sweep(backing, settings, pages=4) == 2
+        finally:
+            connection.delete(Job.key_for(garbled))
+    assert _statuses(settings.database_url, [*held, garbled, orphan]) == {
+        **dict.fromkeys(held, "in_progress"),
+        garbled: "failed",
+        orphan: "failed",
+    }
+
+
 async def test_an_orphan_the_sweep_ends_tells_its_owner_once(
     backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
