@@ -23,18 +23,20 @@ from worker.events.lease import Lease
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 from worker.protocol.response import TERMINAL_EVENTS
 
-# One round trip's appends, of any number of responses (DESIGN.md §7). KEYS: lease, events, cancel
-# of each response in turn. ARGV: for each, its lease value, how many events, then an (entry id,
-# type, data) triple per event. Answers, for each response: -1 when fenced out (the lease is not
-# its writer's), else whether a cancel was requested; or the error its first refused XADD met (an
-# "equal or smaller" id: DESIGN.md §3), after which none of its later events are added. One script
-# call for all of them, one command to pack where a pipeline packed one per response: a worker's CPU
-# a token fell 9% at 30 streams, 14% at 100 (README, CPU cost).
+# One round trip's appends, of any number of responses (DESIGN.md §7). KEYS: lease, events, cancel,
+# attempt, observed of each response in turn. ARGV: for each, its lease value, how many events, how
+# many seconds its keys are kept from now (0: no change; a final append starts their retention
+# clock, DESIGN.md §2.7, in the same step), then an (entry id, type, data) triple per event. Answers,
+# for each response: -1 when fenced out (the lease is not its writer's), else whether a cancel was
+# requested; or the error its first refused XADD met (an "equal or smaller" id: DESIGN.md §3), after
+# which none of its later events are added (nor its keys' expiry set: the try that added them did).
+# One script call for all of them, one command to pack where a pipeline packed one per response: a
+# worker's CPU a token fell 9% at 30 streams, 14% at 100 (README, CPU cost).
 _FENCED_APPEND = """
 local results = {}
 local at = 1
-for k = 1, #KEYS, 3 do
-  local lease, first = ARGV[at], at + 2
+for k = 1, #KEYS, 5 do
+  local lease, retain, first = ARGV[at], tonumber(ARGV[at + 2]), at + 3
   at = first + 3 * tonumber(ARGV[at + 1])
   local result
   if redis.call('GET', KEYS[k]) ~= lease then
@@ -44,7 +46,12 @@ for k = 1, #KEYS, 3 do
       local added = redis.pcall('XADD', KEYS[k + 1], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2])
       if type(added) == 'table' and added.err then result = added break end
     end
-    result = result or redis.call('EXISTS', KEYS[k + 2])
+    if not result then
+      result = redis.call('EXISTS', KEYS[k + 2])
+      if retain > 0 then
+        for j = k + 1, k + 4 do redis.call('EXPIRE', KEYS[j], retain) end
+      end
+    end
   end
   results[#results + 1] = result
 end
@@ -212,6 +219,10 @@ async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
         await pipe.execute()
 
 
+# An append waiting for its round trip: its lease, events, retention (0: none) and who awaits it.
+type _Append = tuple[Lease, list[Event], int, asyncio.Future[AppendResult]]
+
+
 class EventLog:
     """Fenced appends for every response a process holds, batched into one script call per round trip.
 
@@ -230,13 +241,15 @@ class EventLog:
         self._batch_seconds = batch_seconds
         self._next_at = 0.0  # the loop time before which no pipeline goes (under load)
         self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
-        self._pending: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]] = []
+        self._pending: list[_Append] = []
         self._flushing = False
 
-    async def append(self, lease: Lease, events: list[Event]) -> AppendResult:
-        """Append `events` (in order) if `lease` still holds; report a fence or a cancel request."""
+    async def append(self, lease: Lease, events: list[Event], retain_seconds: int = 0) -> AppendResult:
+        """Append `events` (in order) if `lease` still holds; report a fence or a cancel request.
+        With `retain_seconds`, the response's keys are kept that long from the append on (its
+        final one: `expire_response` in the same step)."""
         future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((lease, events, future))
+        self._pending.append((lease, events, retain_seconds, future))
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
@@ -255,7 +268,7 @@ class EventLog:
         finally:
             self._flushing = False
 
-    async def _send(self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]) -> None:
+    async def _send(self, batch: list[_Append]) -> None:
         try:
             try:
                 results = await self._execute(batch)
@@ -264,7 +277,7 @@ class EventLog:
                 results = await self._execute(batch)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
-        for (_, events, future), result in zip(batch, results, strict=True):
+        for (_, events, _, future), result in zip(batch, results, strict=True):
             # Counted here, where the outcome is known, even if the awaiting task was cancelled meanwhile.
             if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
                 self._on_append(len(events))
@@ -275,17 +288,15 @@ class EventLog:
             else:
                 future.set_result(AppendResult(int(result)))
 
-    async def _execute(
-        self, batch: list[tuple[Lease, list[Event], asyncio.Future[AppendResult]]]
-    ) -> list[Any]:
+    async def _execute(self, batch: list[_Append]) -> list[Any]:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS
         round trip each time); an append that failed is its exception in the list."""
         keys: list[str] = []
         args: list[str | bytes | int] = []
-        for lease, events, _ in batch:
+        for lease, events, retain_seconds, _ in batch:
             rid = lease.response_id
-            keys += (lease_key(rid), events_key(rid), cancel_key(rid))
-            args += (lease.value, len(events))
+            keys += (lease_key(rid), events_key(rid), cancel_key(rid), attempt_key(rid), observed_key(rid))
+            args += (lease.value, len(events), retain_seconds)
             for event in events:
                 args += (entry_id(event.sequence_number), event.type, event.data)
         results: list[Any] = await self.redis.evalsha(self._sha, len(keys), *keys, *args)

@@ -89,10 +89,14 @@ class ResponseWriter:
             events, self._pending = coalesce.merge_deltas(self._pending), []
             await self.emit(events)
 
-    async def emit(self, events: list[dict[str, Any]], *, final: bool = False) -> None:
-        """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the final append)."""
+    async def emit(
+        self, events: list[dict[str, Any]], *, final: bool = False, retain_seconds: int = 0
+    ) -> None:
+        """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the
+        final append). With `retain_seconds` (a final append), the response's keys are kept that
+        long from then on (`expire_response`, in the same round trip)."""
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
-        result = await self._append(encoded)
+        result = await self._append(encoded, retain_seconds)
         # Only once they landed: a writer that goes on after a failed append must leave no gap.
         self.next_sequence += len(encoded)
         if self.first_output_at is None and any(_is_output(event) for event in encoded):
@@ -102,15 +106,15 @@ class ResponseWriter:
         if result is AppendResult.CANCEL_REQUESTED and not final:
             raise CancelRequestedError(self.lease.response_id)
 
-    async def _append(self, encoded: list[Event]) -> AppendResult:
+    async def _append(self, encoded: list[Event], retain_seconds: int) -> AppendResult:
         """One append, tried again while Redis is unreachable, for up to `patience` seconds."""
         return await patiently(
-            partial(self._append_once, encoded), self.patience, first_delay=0.1, max_delay=1.0
+            partial(self._append_once, encoded, retain_seconds), self.patience, first_delay=0.1, max_delay=1.0
         )
 
-    async def _append_once(self, encoded: list[Event]) -> AppendResult:
+    async def _append_once(self, encoded: list[Event], retain_seconds: int) -> AppendResult:
         try:
-            return await self.log.append(self.lease, encoded)
+            return await self.log.append(self.lease, encoded, retain_seconds)
         except RedisResponseError as exc:
             # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
             # first, so only we can have written these numbers: a try whose reply was lost (ours,
@@ -138,8 +142,9 @@ async def end_stream(
     if last is None or not last.is_terminal:
         if last is not None:  # an append of an abandoned batch may have landed after the writer counted
             writer.next_sequence = next_sequence_after(last)
-        await writer.emit([terminal_event(response)], final=True)
-    await expire_response(writer.log.redis, writer.lease.response_id, ttl_seconds)
+        await writer.emit([terminal_event(response)], final=True, retain_seconds=ttl_seconds)
+    else:
+        await expire_response(writer.log.redis, writer.lease.response_id, ttl_seconds)
 
 
 def terminal_event(response: dict[str, Any]) -> dict[str, Any]:

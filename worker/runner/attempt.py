@@ -26,12 +26,7 @@ from worker.errors import (
     redact,
 )
 from worker.events.lease import Lease
-from worker.events.stream import (
-    expire_response,
-    last_event,
-    read_events,
-    start_over,
-)
+from worker.events.stream import Event, decode_flat, last_event, read_events, start_over
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
@@ -57,14 +52,15 @@ WORKER_LOST = (
 async def run_response(rt: Runtime, response_id: str) -> RunEnd:
     """Run `response_id` to its end under a new lease (DESIGN.md §2, steps 2-3)."""
     logs.RESPONSE_ID.set(response_id)  # this task's log lines carry it
-    lease = await _acquire(rt, response_id)
-    if lease is None:
+    acquired = await _acquire(rt, response_id)
+    if acquired is None:
         log.warning("response %s is held by another live holder; not running it", response_id)
         return RunEnd.BUSY
+    lease, last = acquired
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
     rt.held[response_id] = lease
     try:
-        await _run_attempt(rt, lease)
+        await _run_attempt(rt, lease, last)
         return RunEnd.FINISHED
     except FencedOutError:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
@@ -87,15 +83,17 @@ async def run_response(rt: Runtime, response_id: str) -> RunEnd:
         await rt.leases.release(lease)
 
 
-async def _acquire(rt: Runtime, response_id: str) -> Lease | None:
-    """A new lease, waiting out a holder that is gone but whose lease has not expired yet (a dead
-    or frozen worker whose job RQ retried). None if a live holder keeps renewing it."""
+async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None] | None:
+    """A new lease and the stream's newest event, waiting out a holder that is gone but whose lease
+    has not expired yet (a dead or frozen worker whose job RQ retried). None if a live holder keeps
+    renewing it."""
     deadline = time.monotonic() + rt.leases.ttl_seconds + 1
-    while (lease := await rt.leases.acquire(response_id, rt.holder)) is None:
+    while (acquired := await rt.leases.acquire_reading(response_id, rt.holder)) is None:
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.5)
-    return lease
+    lease, newest = acquired
+    return lease, None if newest is None else decode_flat(*newest)
 
 
 async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
@@ -116,17 +114,10 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
         log.exception("response %s: could not record the failure; recovery will end it", lease.response_id)
 
 
-async def _run_attempt(rt: Runtime, lease: Lease) -> None:
-    response_id = lease.response_id
-    # Read together: nothing but this lease's holder appends now, so the newest event is the same
-    # before or after the row moves.
-    last_read = asyncio.ensure_future(last_event(rt.redis, response_id))
-    try:
-        stored = await _patiently(rt, partial(_start, rt, lease))
-    except BaseException:
-        last_read.cancel()
-        raise
-    last = await last_read
+async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
+    """`last`: the stream's newest event when the lease was taken (nothing but this lease's holder
+    appends now, so it is still the newest)."""
+    stored = await _patiently(rt, partial(_start, rt, lease))
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
     if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
         await _end_as_stored(rt, writer)
@@ -400,9 +391,9 @@ async def _finish(
     if not won:
         await _end_as_stored(rt, writer)
         return
-    await writer.emit([terminal_event(final)], final=True)
+    # Its keys' retention clock starts with the terminal event, in the same round trip.
+    await writer.emit([terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds)
     _observe(rt.metrics, writer, str(final["status"]))
-    await expire_response(rt.redis, stored.id, rt.stream_ttl_seconds)
 
 
 def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> None:

@@ -17,13 +17,14 @@ from worker.events.stream import (
     AppendResult,
     EventLog,
     StartedOver,
+    decode_flat,
     encode,
     expire_response,
     read_events,
     read_events_observed,
     start_over,
 )
-from worker.keys import cancel_key, lease_key, observed_key
+from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 
 pytestmark = pytest.mark.integration
 
@@ -241,3 +242,52 @@ async def test_one_round_trip_answers_each_append_for_itself(
     assert results[2:] == [AppendResult.CANCEL_REQUESTED, AppendResult.OK]
     counts = [len(await read_events(redis, response_id)) for response_id in ids]
     assert counts == [0, 1, 1, 3]  # the repeat stopped at its first refused event
+
+
+async def test_a_final_append_starts_the_retention_clock_of_the_responses_keys(redis: Redis) -> None:
+    """An append with `retain_seconds` sets that TTL on the response's stream, attempt counter,
+    cancel flag and observed mark in the same step; the other appends, and a fenced one, set none."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await Leases(redis, 5).acquire(response_id, "a")
+    assert lease is not None
+    await redis.set(cancel_key(response_id), "1")
+    await redis.set(observed_key(response_id), "1")
+    keys = [
+        events_key(response_id),
+        attempt_key(response_id),
+        cancel_key(response_id),
+        observed_key(response_id),
+    ]
+    log = EventLog(redis)
+    assert await log.append(lease, [encode(_events(0, 1)[0], 0)]) is AppendResult.CANCEL_REQUESTED
+    assert [await redis.ttl(key) for key in keys] == [-1] * 4
+    stale = Lease(response_id, lease.attempt - 1, "gone")
+    final = {"type": "response.completed", "response": {"id": response_id, "status": "completed"}}
+    assert await log.append(stale, [encode(dict(final), 1)], retain_seconds=60) is AppendResult.FENCED
+    assert [await redis.ttl(key) for key in keys] == [-1] * 4
+    assert (
+        await log.append(lease, [encode(dict(final), 1)], retain_seconds=60) is AppendResult.CANCEL_REQUESTED
+    )
+    ttls = [await redis.ttl(key) for key in keys]
+    assert all(50 < ttl <= 60 for ttl in ttls), ttls
+    await redis.delete(*keys, lease_key(response_id))
+
+
+async def test_a_lease_is_taken_with_the_streams_newest_event(redis: Redis) -> None:
+    """`acquire_reading` takes the lease and reads the stream's newest event in one step: none on
+    an empty stream; the newest after appends; nothing (and no new attempt) while another holds it."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    leases = Leases(redis, 5)
+    acquired = await leases.acquire_reading(response_id, "a")
+    assert acquired is not None and acquired[1] is None
+    first = acquired[0]
+    assert first.attempt == 1
+    await EventLog(redis).append(first, [encode(event, index) for index, event in enumerate(_events(0, 3))])
+    assert await leases.acquire_reading(response_id, "b") is None
+    await leases.release(first)
+    acquired = await leases.acquire_reading(response_id, "b")
+    assert acquired is not None and acquired[1] is not None
+    second, newest = acquired
+    assert second.attempt == 2
+    assert decode_flat(*newest) == (await read_events(redis, response_id))[-1]
+    await redis.delete(events_key(response_id), attempt_key(response_id), lease_key(response_id))

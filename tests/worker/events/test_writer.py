@@ -22,7 +22,7 @@ class ScriptedLog:
         self.answers = list(answers)
         self.landed: list[int] = []
 
-    async def append(self, lease: Lease, events: list[Event]) -> AppendResult:
+    async def append(self, lease: Lease, events: list[Event], retain_seconds: int = 0) -> AppendResult:
         answer = self.answers.pop(0) if self.answers else AppendResult.OK
         if isinstance(answer, Exception):
             raise answer
