@@ -12,19 +12,11 @@ from redis.asyncio import Redis
 
 from worker.keys import attempt_key, events_key, lease_key
 
-# KEYS: lease, attempt. ARGV: holder, ttl ms. Returns the new attempt, or 0 while another holder is alive.
+# KEYS: lease, attempt, events. ARGV: holder, ttl ms. Returns {the new attempt, the stream's newest
+# entry as XREVRANGE gives it (none: an empty list)}, or {0} while another holder is alive. Only a
+# lease's holder appends, so what is newest when the lease is taken stays newest until its holder
+# writes: whoever takes a lease to write learns where the stream ends in the same round trip.
 _ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local attempt = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], attempt .. ':' .. ARGV[1], 'PX', ARGV[2])
-return attempt
-"""
-
-# The same, KEYS adding the events stream: returns {the new attempt, the stream's newest entry as
-# XREVRANGE gives it (none: an empty list)}, or {0} while another holder is alive. Only a lease's
-# holder appends, so what is newest when the lease is taken stays newest until its holder writes:
-# one round trip where a worker starting a response took two.
-_ACQUIRE_READING = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
 local attempt = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], attempt .. ':' .. ARGV[1], 'PX', ARGV[2])
@@ -68,20 +60,19 @@ class Leases:
         self.ttl_seconds = ttl_seconds
         self._ttl_ms = int(ttl_seconds * 1000)
         self._acquire = redis.register_script(_ACQUIRE)
-        self._acquire_reading = redis.register_script(_ACQUIRE_READING)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
     async def acquire(self, response_id: str, holder: str) -> Lease | None:
         """A new lease under the next attempt, or None while another holder's lease is alive."""
-        keys = [lease_key(response_id), attempt_key(response_id)]
-        attempt = int(await self._acquire(keys=keys, args=[holder, self._ttl_ms]))
-        return Lease(response_id, attempt, holder) if attempt else None
+        acquired = await self.acquire_reading(response_id, holder)
+        return None if acquired is None else acquired[0]
 
     async def acquire_reading(self, response_id: str, holder: str) -> tuple[Lease, FlatEntry | None] | None:
-        """`acquire`, and the newest entry of the response's stream when the lease was taken."""
+        """`acquire`, and the newest entry of the response's stream when the lease was taken
+        (`stream.take_lease` decodes it)."""
         keys = [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
-        reply = await self._acquire_reading(keys=keys, args=[holder, self._ttl_ms])
+        reply = await self._acquire(keys=keys, args=[holder, self._ttl_ms])
         attempt = int(reply[0])
         if not attempt:
             return None

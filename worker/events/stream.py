@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from worker.errors import FencedOutError
-from worker.events.lease import Lease
+from worker.events.lease import Lease, Leases
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 from worker.protocol.response import TERMINAL_EVENTS
 
@@ -203,6 +203,16 @@ async def last_event(redis: Redis, response_id: str) -> Event | None:
     """The newest event of a response's stream, if any."""
     entries = cast(list[Entry], await redis.xrevrange(events_key(response_id), max="+", min="-", count=1))
     return decode_entry(*entries[0]) if entries else None
+
+
+async def take_lease(leases: Leases, response_id: str, holder: str) -> tuple[Lease, Event | None] | None:
+    """A new lease on the response and its stream's newest event (None: an empty stream), read in
+    the same step; None while another holder's lease is alive."""
+    acquired = await leases.acquire_reading(response_id, holder)
+    if acquired is None:
+        return None
+    lease, newest = acquired
+    return lease, None if newest is None else decode_flat(*newest)
 
 
 async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:

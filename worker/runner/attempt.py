@@ -26,7 +26,7 @@ from worker.errors import (
     redact,
 )
 from worker.events.lease import Lease
-from worker.events.stream import Event, decode_flat, last_event, read_events, start_over
+from worker.events.stream import Event, last_event, read_events, start_over, take_lease
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
@@ -88,12 +88,11 @@ async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None] 
     has not expired yet (a dead or frozen worker whose job RQ retried). None if a live holder keeps
     renewing it."""
     deadline = time.monotonic() + rt.leases.ttl_seconds + 1
-    while (acquired := await rt.leases.acquire_reading(response_id, rt.holder)) is None:
+    while (acquired := await take_lease(rt.leases, response_id, rt.holder)) is None:
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.5)
-    lease, newest = acquired
-    return lease, None if newest is None else decode_flat(*newest)
+    return acquired
 
 
 async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:

@@ -16,7 +16,7 @@ from rq import Queue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.events.lease import Leases
-from worker.events.stream import EventLog, last_event
+from worker.events.stream import EventLog, last_event, take_lease
 from worker.events.writer import ResponseWriter, end_stream
 from worker.ids import new_id
 from worker.keys import cancel_key
@@ -84,11 +84,11 @@ class Cancellation:
 
     async def end_stream(self, response_id: str, response: dict[str, Any]) -> None:
         """End a never-run response's stream with its terminal event, under a lease of our own."""
-        lease = await self.leases.acquire(response_id, self.holder)
-        if lease is None:
+        acquired = await take_lease(self.leases, response_id, self.holder)
+        if acquired is None:
             return  # a worker holds it and will end the stream itself
+        lease, last = acquired
         try:
-            last = await last_event(self.redis, response_id)
             writer = ResponseWriter.after(self.log, lease, last)
             await end_stream(writer, response, last, self.settings.stream_ttl_seconds)
         finally:

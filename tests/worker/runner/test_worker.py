@@ -87,12 +87,8 @@ def test_responses_that_end_while_their_leases_are_renewed_are_not_told_lost(
     running.start_worker()
     try:
         upstream.script(model, {"text": "fine", "first_delay": 1.0})  # created first, ending together
-        with make_sdk(running.url, "unused") as sdk, ThreadPoolExecutor(16) as pool:
-            created = list(
-                pool.map(
-                    lambda n: sdk.responses.create(model=model, input="x", background=True).id, range(150)
-                )
-            )
+        with make_sdk(running.url, "unused") as sdk:
+            created = _created_in_background(sdk, model, 150)
             assert set(wait_until_ended(sdk, created, timeout=90).values()) == {"completed"}
         assert "lease lost" not in running.log("worker")
     finally:
@@ -153,13 +149,8 @@ def test_deliveries_ending_while_executions_are_renewed_leave_no_job_records(
         running.start_worker()
         try:
             upstream.script(model, {"text": "fine"})
-            with make_sdk(running.url, "unused") as sdk, ThreadPoolExecutor(16) as pool:
-                created = list(
-                    pool.map(
-                        lambda n: sdk.responses.create(model=model, input="x", background=True).id, range(150)
-                    )
-                )
-                wait_until_ended(sdk, created, timeout=90)
+            with make_sdk(running.url, "unused") as sdk:
+                wait_until_ended(sdk, _created_in_background(sdk, model, 150), timeout=90)
             sent = {delivery.headers["webhook-id"] for delivery in receiver.wait_for(150, timeout=90)}
             assert len(sent) == 150
             with Redis.from_url(backing.redis_url) as connection:
@@ -169,3 +160,11 @@ def test_deliveries_ending_while_executions_are_renewed_leave_no_job_records(
                 )
         finally:
             running.stop_all()
+
+
+def _created_in_background(sdk: openai.OpenAI, model: str, count: int) -> list[str]:
+    """The ids of `count` background responses, created 16 at a time."""
+    with ThreadPoolExecutor(16) as pool:
+        return list(
+            pool.map(lambda _: sdk.responses.create(model=model, input="x", background=True).id, range(count))
+        )
