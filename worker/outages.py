@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import psycopg
 from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
@@ -29,7 +30,14 @@ from worker.errors import UnavailableError
 log = logging.getLogger("respool.outages")
 
 # The foreign error classes an outage can come as: what the API's boundary looks at.
-OUTAGE_CLASSES: tuple[type[Exception], ...] = (RedisError, DBAPIError, PoolTimeoutError)
+# (psycopg's own: the hot statements run on it directly, worker/postgres/direct.py.)
+OUTAGE_CLASSES: tuple[type[Exception], ...] = (
+    RedisError,
+    DBAPIError,
+    PoolTimeoutError,
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+)
 
 
 def is_redis_outage(exc: BaseException) -> bool:
@@ -40,7 +48,10 @@ def is_redis_outage(exc: BaseException) -> bool:
 
 
 def is_postgres_outage(exc: BaseException) -> bool:
-    """Down, restarting, or no pooled connection free in time (connects hanging, or overload)."""
+    """Down, restarting, or no pooled connection free in time (connects hanging, or overload),
+    said by SQLAlchemy or, on the direct pool, by psycopg."""
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return True
     return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     )

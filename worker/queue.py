@@ -7,10 +7,12 @@ builds) on its asyncio client, and calls the other functions here in a thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis as AsyncRedis
+from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -29,13 +31,17 @@ JOB_TIMEOUT = -1
 RESULT_TTL = 600
 
 
+# Redis commands as a pipeline records them: each one's arguments and options.
+type Commands = list[tuple[tuple[Any, ...], dict[str, Any]]]
+
+
 def response_queue(connection: SyncRedis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
 def enqueue_commands(
     queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
-) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+) -> Commands:
     """The commands that append the response's first events and enqueue its job, for an asyncio
     client to send in one MULTI (DESIGN.md §2.1).
 
@@ -44,23 +50,42 @@ def enqueue_commands(
     A job whose worker dies is retried by RQ's maintenance, up to `max_attempts` runs in all
     (DESIGN.md §4, "Orphans"); the next attempt decides whether it may generate again.
     """
-    recorder = queue.connection.pipeline()
+
+    def build(recorder: Pipeline) -> None:
+        add_events(recorder, response_id, first_events)
+        queue.enqueue_call(
+            JOB_FUNCTION,
+            args=(response_id,),
+            job_id=response_id,
+            timeout=JOB_TIMEOUT,
+            result_ttl=RESULT_TTL,
+            failure_ttl=RESULT_TTL,
+            retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
+            description=f"response {response_id}",
+            pipeline=recorder,
+        )
+
+    return recorded(queue.connection, build)
+
+
+def recorded(connection: SyncRedis, build: Callable[[Pipeline], object]) -> Commands:
+    """The commands `build` queues on a pipeline of RQ's client that only records: nothing is sent
+    (RQ builds its records on a pipeline it is given). An asyncio client sends them (`send`)."""
+    recorder = connection.pipeline()
     recorder.multi()
-    add_events(recorder, response_id, first_events)
-    queue.enqueue_call(
-        JOB_FUNCTION,
-        args=(response_id,),
-        job_id=response_id,
-        timeout=JOB_TIMEOUT,
-        result_ttl=RESULT_TTL,
-        failure_ttl=RESULT_TTL,
-        retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
-        description=f"response {response_id}",
-        pipeline=recorder,
-    )
-    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
-    recorder.reset()
-    return commands
+    try:
+        build(recorder)
+        return [(tuple(args), dict(options)) for args, options in recorder.command_stack]
+    finally:
+        recorder.reset()
+
+
+async def send(redis: AsyncRedis, commands: Commands) -> None:
+    """Send recorded commands in one MULTI on an asyncio client."""
+    async with redis.pipeline(transaction=True) as pipe:
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
+        await pipe.execute()
 
 
 async def enqueue(
@@ -75,12 +100,9 @@ async def enqueue(
     with `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
     await _know_server_version(redis, queue)
     commands = enqueue_commands(queue, response_id, first_events, max_attempts)
-    async with redis.pipeline(transaction=True) as pipe:
-        if secrets is not None:
-            pipe.set(secrets_key(response_id), secrets[0], ex=secrets[1])
-        for args, options in commands:
-            pipe.execute_command(*args, **options)
-        await pipe.execute()
+    if secrets is not None:
+        commands.insert(0, (("SET", secrets_key(response_id), secrets[0], "EX", secrets[1]), {}))
+    await send(redis, commands)
 
 
 def delivery_queue(connection: SyncRedis, name: str) -> Queue:
@@ -94,25 +116,21 @@ async def enqueue_deliveries(redis: AsyncRedis, queue: Queue, delivery_ids: list
     if not delivery_ids:
         return
     await _know_server_version(redis, queue)
-    recorder = queue.connection.pipeline()
-    recorder.multi()
-    for delivery_id in delivery_ids:
-        queue.enqueue_call(
-            DELIVERY_FUNCTION,
-            args=(delivery_id,),
-            job_id=delivery_id,
-            timeout=JOB_TIMEOUT,
-            result_ttl=0,  # the attempt's record is the delivery's row: RQ keeps none of its own
-            failure_ttl=RESULT_TTL,
-            description=f"webhook {delivery_id}",
-            pipeline=recorder,
-        )
-    commands = [(tuple(args), dict(options)) for args, options in recorder.command_stack]
-    recorder.reset()
-    async with redis.pipeline(transaction=True) as pipe:
-        for args, options in commands:
-            pipe.execute_command(*args, **options)
-        await pipe.execute()
+
+    def build(recorder: Pipeline) -> None:
+        for delivery_id in delivery_ids:
+            queue.enqueue_call(
+                DELIVERY_FUNCTION,
+                args=(delivery_id,),
+                job_id=delivery_id,
+                timeout=JOB_TIMEOUT,
+                result_ttl=0,  # the attempt's record is the delivery's row: RQ keeps none of its own
+                failure_ttl=RESULT_TTL,
+                description=f"webhook {delivery_id}",
+                pipeline=recorder,
+            )
+
+    await send(redis, recorded(queue.connection, build))
 
 
 async def _know_server_version(redis: AsyncRedis, queue: Queue) -> None:

@@ -36,8 +36,9 @@ class Settings(BaseSettings):
     redis_timeout_seconds: float = Field(default=5.0, gt=0)
     database_connect_timeout_seconds: int = Field(default=5, ge=1)
     # The most Postgres connections one process (an API replica, a worker) holds; each is kept once
-    # opened (store.create_engine). Postgres' max_connections must cover their sum.
-    database_connections: int = Field(default=20, gt=0)
+    # opened (store.create_engine). Postgres' max_connections must cover their sum. Half are for
+    # single statements on psycopg directly, half for transactions (worker/postgres/direct.py).
+    database_connections: int = Field(default=20, ge=2)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
 
     # Limits on what one request may carry (issue 7): a body over max_body_bytes is refused with

@@ -5,16 +5,18 @@ Every status change is one compare-and-set `UPDATE … WHERE status IN (…)`, h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
-from sqlalchemy import ColumnElement, bindparam, delete, func, insert, literal_column, select, tuple_, update
-from sqlalchemy.dialects.postgresql import JSONB
+from psycopg.types.json import Jsonb
+from sqlalchemy import ColumnElement, delete, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from worker.postgres.models import ConversationItemRow, InputItemRow, ResponseRow
+from worker.postgres import direct
+from worker.postgres.models import LIVE_STATUSES, ConversationItemRow, InputItemRow, ResponseRow
 from worker.protocol.request import CreateRequest
 from worker.protocol.response import LIVE, Status
 
@@ -58,6 +60,9 @@ def async_url(database_url: str) -> str:
     return database_url
 
 
+# A connection the hot statements run on: psycopg's own (`direct.DirectPool`) or an engine's.
+type Connection = AsyncConnection | direct.Connection
+
 # Where a live row stands in the sweep's order: (created_at, id).
 type LivePosition = tuple[datetime, str]
 
@@ -96,7 +101,7 @@ _COLUMNS = (
 )
 
 
-# The hot statements, built once: building one costs more than running it (parameters are bound).
+# The hot statements, on psycopg directly (worker/postgres/direct.py): SQL written once, here.
 _NEW_ROW = (
     "id",
     "owner",
@@ -112,55 +117,49 @@ _NEW_ROW = (
     "chain_depth",
     "conversation_id",
 )
-_CREATED = (
-    insert(ResponseRow)
-    .values({name: bindparam(name) for name in _NEW_ROW})
-    .returning(ResponseRow.id)
-    .cte("created")
-)
-_ITEMS = (
-    func.jsonb_array_elements(bindparam("items", type_=JSONB))
-    .table_valued("value", with_ordinality="ordinality")
-    .alias("items")
-)
+_JSON_COLUMNS = frozenset({"request", "conversation", "response"})
+_RETURNED = ", ".join(column.name for column in _COLUMNS)
 # The row and its input items in one statement (a data-modifying CTE): in autocommit, one round trip.
-_INSERT = insert(InputItemRow).from_select(
-    ["response_id", "position", "item_id", "item"],
-    select(_CREATED.c.id, _ITEMS.c.ordinality - 1, _ITEMS.c.value.op("->>")("id"), _ITEMS.c.value)
-    .select_from(_CREATED)
-    .join(_ITEMS, literal_column("true")),
+_INSERT = f"""
+WITH created AS (
+    INSERT INTO response ({", ".join(_NEW_ROW)})
+    VALUES ({", ".join(f"%({name})s" for name in _NEW_ROW)})
+    RETURNING id
 )
-_SELECT = select(*_COLUMNS).where(ResponseRow.id == bindparam("rid"))
-_SELECT_OWNED = _SELECT.where(ResponseRow.owner == bindparam("owned_by"))
-_START_ATTEMPT = (
-    update(ResponseRow)
-    .where(
-        ResponseRow.id == bindparam("rid"),
-        ResponseRow.attempt < bindparam("new_attempt"),
-        ResponseRow.status.in_(LIVE),
-    )
-    .values(
-        status=Status.IN_PROGRESS,
-        attempt=bindparam("new_attempt"),
-        response=ResponseRow.response.op("||")(func.jsonb_build_object("status", str(Status.IN_PROGRESS))),
-        started_at=func.now(),
-    )
-    .returning(*_COLUMNS)
-)
-_MARK_FINISHED = (
-    update(ResponseRow)
-    .where(
-        ResponseRow.id == bindparam("rid"),
-        ResponseRow.attempt == bindparam("held_attempt"),
-        ResponseRow.status == Status.IN_PROGRESS,
-    )
-    .values(
-        status=bindparam("new_status"),
-        response=bindparam("new_response"),
-        error=bindparam("new_error"),
-        completed_at=func.now(),
-    )
-)
+INSERT INTO input_item (response_id, position, item_id, item)
+SELECT created.id, items.ordinality - 1, items.value ->> 'id', items.value
+FROM created JOIN jsonb_array_elements(%(items)s) WITH ORDINALITY AS items (value, ordinality) ON true
+"""
+_SELECT = f"SELECT {_RETURNED} FROM response WHERE id = %(rid)s"
+_SELECT_OWNED = f"{_SELECT} AND owner = %(owned_by)s"
+_START_ATTEMPT = f"""
+UPDATE response
+SET status = '{Status.IN_PROGRESS}', attempt = %(new_attempt)s, started_at = now(),
+    response = response || jsonb_build_object('status', '{Status.IN_PROGRESS}')
+WHERE id = %(rid)s AND attempt < %(new_attempt)s AND status IN ({LIVE_STATUSES})
+RETURNING {_RETURNED}
+"""
+_FENCED = f"id = %(rid)s AND attempt = %(held_attempt)s AND status = '{Status.IN_PROGRESS}'"
+_MARK_FINISHED = f"""
+UPDATE response
+SET status = %(new_status)s, response = %(new_response)s, error = %(new_error)s, completed_at = now()
+WHERE {_FENCED}
+"""
+_DELETE_FINISHED = f"DELETE FROM response WHERE {_FENCED}"
+
+
+async def driver(conn: Connection) -> direct.Connection:
+    """The psycopg connection under `conn` (an engine's connection: its transaction, if any, is
+    the statement's too)."""
+    if isinstance(conn, AsyncConnection):
+        raw = await conn.get_raw_connection()
+        return cast(direct.Connection, raw.driver_connection)
+    return conn
+
+
+def _stored(row: tuple[Any, ...]) -> StoredResponse:
+    stored = StoredResponse(*row)
+    return dataclasses.replace(stored, status=Status(stored.status))
 
 
 def new_row(
@@ -189,48 +188,50 @@ def new_row(
     }
 
 
-async def insert_response(
-    conn: AsyncConnection, row: dict[str, Any], input_items: list[dict[str, Any]]
-) -> None:
+async def insert_response(conn: Connection, row: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
     """Insert a new response row and its input items (each has an `id`), in one statement."""
-    await conn.execute(_INSERT, {**{name: row[name] for name in _NEW_ROW}, "items": input_items})
+    values = {name: Jsonb(row[name]) if name in _JSON_COLUMNS else row[name] for name in _NEW_ROW}
+    values["status"] = str(values["status"])
+    await (await driver(conn)).execute(_INSERT, {**values, "items": Jsonb(input_items)})
 
 
-async def get_response(
-    conn: AsyncConnection, response_id: str, owner: str | None = None
-) -> StoredResponse | None:
+async def get_response(conn: Connection, response_id: str, owner: str | None = None) -> StoredResponse | None:
     """The row `response_id`, if it exists (and belongs to `owner`, when one is given)."""
     if owner is None:
-        result = await conn.execute(_SELECT, {"rid": response_id})
+        cursor = await (await driver(conn)).execute(_SELECT, {"rid": response_id})
     else:
-        result = await conn.execute(_SELECT_OWNED, {"rid": response_id, "owned_by": owner})
-    row = result.one_or_none()
-    if row is None:
-        return None
-    return StoredResponse(**{**row._asdict(), "status": Status(row.status)})
+        cursor = await (await driver(conn)).execute(_SELECT_OWNED, {"rid": response_id, "owned_by": owner})
+    row = await cursor.fetchone()
+    return None if row is None else _stored(row)
 
 
-async def start_attempt(conn: AsyncConnection, response_id: str, attempt: int) -> StoredResponse | None:
+async def start_attempt(conn: Connection, response_id: str, attempt: int) -> StoredResponse | None:
     """Move a live row to `in_progress` under `attempt` and read it, in one statement; None if it
     is gone, terminal, or a later attempt owns it (then `get_response` tells which)."""
-    result = await conn.execute(_START_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
-    row = result.one_or_none()
-    return None if row is None else StoredResponse(**{**row._asdict(), "status": Status(row.status)})
+    cursor = await (await driver(conn)).execute(_START_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
+    row = await cursor.fetchone()
+    return None if row is None else _stored(row)
 
 
-async def mark_finished(
-    conn: AsyncConnection, response_id: str, attempt: int, response: dict[str, Any]
-) -> bool:
+async def mark_finished(conn: Connection, response_id: str, attempt: int, response: dict[str, Any]) -> bool:
     """Record the final Response, fenced on `attempt` (DESIGN.md §2.3); False means another outcome won."""
+    error = response.get("error")
     parameters = {
         "rid": response_id,
         "held_attempt": attempt,
-        "new_status": response["status"],
-        "new_response": response,
-        "new_error": response.get("error"),
+        "new_status": str(response["status"]),
+        "new_response": Jsonb(response),
+        "new_error": None if error is None else Jsonb(error),
     }
-    result = await conn.execute(_MARK_FINISHED, parameters)
-    return result.rowcount == 1
+    cursor = await (await driver(conn)).execute(_MARK_FINISHED, parameters)
+    return cursor.rowcount == 1
+
+
+async def delete_finished(conn: Connection, response_id: str, attempt: int) -> bool:
+    """Finish a `store: false` response by deleting it, fenced like `mark_finished`."""
+    parameters = {"rid": response_id, "held_attempt": attempt}
+    cursor = await (await driver(conn)).execute(_DELETE_FINISHED, parameters)
+    return cursor.rowcount == 1
 
 
 async def mark_failed(conn: AsyncConnection, response_id: str, response: dict[str, Any]) -> bool:
@@ -313,18 +314,6 @@ async def own_input_items(conn: AsyncConnection, response_id: str) -> list[dict[
         .order_by(InputItemRow.position)
     )
     return [dict(item) for item in (await conn.execute(query)).scalars()]
-
-
-async def delete_finished(conn: AsyncConnection, response_id: str, attempt: int) -> bool:
-    """Finish a `store: false` response by deleting it, fenced like `mark_finished`."""
-    result = await conn.execute(
-        delete(ResponseRow).where(
-            ResponseRow.id == response_id,
-            ResponseRow.attempt == attempt,
-            ResponseRow.status == Status.IN_PROGRESS,
-        )
-    )
-    return result.rowcount == 1
 
 
 async def live_response_ids(

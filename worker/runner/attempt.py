@@ -430,13 +430,13 @@ async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
-    async with rt.autocommit.connect() as conn:
+    async with rt.direct.connection() as conn:
         return await store.get_response(conn, response_id)
 
 
 async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:
     """The row, moved to `in_progress` under this attempt; None if it may not run (store.start_attempt)."""
-    async with rt.autocommit.connect() as conn:
+    async with rt.direct.connection() as conn:
         return await store.start_attempt(conn, lease.response_id, lease.attempt)
 
 
@@ -448,7 +448,7 @@ async def _record_final(
     (DESIGN.md §11), when it completed or ended incomplete: exactly once, whatever died on the way."""
     notifies = rt.notifier.wanted(stored.owner, final["status"], background=stored.background)
     if stored.conversation_id is None and not notifies:
-        async with rt.autocommit.connect() as conn:
+        async with rt.direct.connection() as conn:
             if stored.store:
                 return await store.mark_finished(conn, stored.id, attempt, final)
             return await store.delete_finished(conn, stored.id, attempt)

@@ -20,6 +20,7 @@ from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
 from worker.outbound import OutboundPolicy
 from worker.postgres import store
+from worker.postgres.direct import DirectPool, shares
 from worker.postgres.keys import compaction_sealer
 from worker.protocol.compaction import Sealer
 from worker.queue import delivery_queue
@@ -53,6 +54,7 @@ class Runtime:
     synthetic_delay_seconds: float
     leases: Leases
     notifier: Notifier  # webhook deliveries, recorded with a background response's end
+    direct: DirectPool  # the hot single statements (a response's start and end) on psycopg directly
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     database_wait_seconds: float = 120.0
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
@@ -108,9 +110,11 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     routes = load_routes(settings)
     # The deliveries' queue only builds RQ's commands on this client; they go out on `redis`.
     deliveries = delivery_queue(sync_client(settings.redis_url), settings.queue)
+    for_engine, for_direct = shares(settings.database_connections)
     return Runtime(
         notifier=Notifier(routes.webhooks, redis, deliveries),
-        engine=store.create_engine(settings.database_url, connections=settings.database_connections),
+        engine=store.create_engine(settings.database_url, connections=for_engine),
+        direct=DirectPool(settings.database_url, for_direct),
         redis=redis,
         http=create_client(
             settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds
@@ -155,4 +159,5 @@ def searcher_of(settings: Settings, routes: Routes) -> Searcher | None:
 async def close_runtime(rt: Runtime) -> None:
     await rt.http.aclose()
     await rt.engine.dispose()
+    await rt.direct.close()
     await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from worker.errors import InvalidRequestError, PreviousResponseNotFoundError
 from worker.postgres import store
 from worker.protocol.response import LIVE
@@ -27,7 +25,7 @@ class History:
     model: str | None = None
 
 
-async def history(conn: AsyncConnection, owner: str, previous_id: str | None, max_depth: int) -> History:
+async def history(conn: store.Connection, owner: str, previous_id: str | None, max_depth: int) -> History:
     """What a new response continues (nothing without `previous_id`); a 400 naming
     `previous_response_id` if that response is not `owner`'s and stored, is still running, or ends a
     chain of `max_depth` responses."""

@@ -45,6 +45,7 @@ from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
 from worker.postgres import conversations, store
+from worker.postgres.direct import DirectPool, shares
 from worker.postgres.keys import compaction_sealer
 from worker.protocol import compaction, tools
 from worker.protocol.compaction import Sealer
@@ -91,11 +92,14 @@ class Created:
 class ResponseService:
     """One per API process: its connections, the routing table and the tailer."""
 
-    def __init__(self, settings: Settings, engine: AsyncEngine, redis: Redis, sync_redis: SyncRedis) -> None:
+    def __init__(
+        self, settings: Settings, engine: AsyncEngine, direct: DirectPool, redis: Redis, sync_redis: SyncRedis
+    ) -> None:
         self.settings = settings
         self.outbound = OutboundPolicy.parse(settings.outbound_allowlist)
         self.engine = engine
         self.autocommit = store.single_statements(engine)  # for one-statement work
+        self.direct = direct  # the hot single statements (a create's insert, a poll's read)
         self.redis = redis
         self.queue: Queue = response_queue(sync_redis, settings.queue)
         self.routes: Routes = load_routes(settings)
@@ -117,15 +121,16 @@ class ResponseService:
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
+        for_engine, for_direct = shares(settings.database_connections)
+        connect_timeout = settings.database_connect_timeout_seconds
         engine = store.create_engine(
-            settings.database_url,
-            connections=settings.database_connections,
-            connect_timeout_seconds=settings.database_connect_timeout_seconds,
+            settings.database_url, connections=for_engine, connect_timeout_seconds=connect_timeout
         )
+        direct = DirectPool(settings.database_url, for_direct, connect_timeout_seconds=connect_timeout)
         timeout = settings.redis_timeout_seconds
         redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
         sync_redis = sync_client(settings.redis_url, timeout)
-        return cls(settings, engine, redis, sync_redis)
+        return cls(settings, engine, direct, redis, sync_redis)
 
     async def start(self) -> None:
         await self.tailer.start()
@@ -135,6 +140,7 @@ class ResponseService:
         await self.quotas.stop()
         await self.tailer.stop()
         await self.engine.dispose()
+        await self.direct.close()
         await self.http.aclose()
         await self.redis.aclose()
         self.queue.connection.close()
@@ -194,13 +200,14 @@ class ResponseService:
         redis_answers = asyncio.ensure_future(self.redis.ping())
         try:
             # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
-            async with self.autocommit.connect() as conn:
+            async with self.direct.connection() as conn:
                 history = await chains.history(
                     conn, owner, request.previous_response_id, self.settings.max_chain_depth
                 )
                 on = None if request.conversation is None else conversation_id(request.conversation)
                 if on is not None:  # DESIGN.md §11: its items come before the input
-                    history = await self._conversation_history(conn, owner, on, route, request)
+                    async with self.autocommit.connect() as reading:
+                        history = await self._conversation_history(reading, owner, on, route, request)
                 conversation = history.items + own_items
                 check_tool_outputs(conversation, len(history.items))
                 # Its items were checked for the kind of upstream its model had; another kind checks them.
@@ -552,7 +559,7 @@ class ResponseService:
 
     async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
         logs.RESPONSE_ID.set(response_id)
-        async with self.autocommit.connect() as conn:
+        async with self.direct.connection() as conn:
             stored = await store.get_response(conn, response_id, owner)
         if stored is None or not stored.store:
             raise ResponseNotFoundError(response_id)

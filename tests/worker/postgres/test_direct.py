@@ -1,0 +1,173 @@
+"""The direct pool (worker/postgres/direct.py) on real Postgres: connections kept and reused, none
+handed out mid-statement, the outage rule (a broken connection drops the idle ones, a connect that
+fails raises at once, a pool with none free times out as an outage), and the hot statements'
+JSON going through it and through an engine's transaction alike."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import psycopg
+import pytest
+
+from tests.support.stack import Servers, _fresh_database
+from worker.outages import is_postgres_outage
+from worker.postgres import store
+from worker.postgres.direct import DirectPool, PoolTimeoutError, driver_url, shares
+from worker.postgres.migrate import migrate
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def database(backing: Servers) -> Iterator[str]:
+    url, drop = _fresh_database(backing.database_url)
+    migrate(url)
+    yield url
+    drop()
+
+
+@pytest.fixture
+async def pool(database: str) -> AsyncIterator[DirectPool]:
+    pool = DirectPool(database, 2, wait_seconds=0.5)
+    yield pool
+    await pool.close()
+
+
+async def _backend(pool: DirectPool) -> int:
+    async with pool.connection() as conn:
+        cursor = await conn.execute("SELECT pg_backend_pid()")
+        row = await cursor.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def _terminate(database: str, pid: int) -> None:
+    async with await psycopg.AsyncConnection.connect(driver_url(database), autocommit=True) as admin:
+        await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+
+async def test_a_connection_is_kept_and_reused(pool: DirectPool) -> None:
+    assert await _backend(pool) == await _backend(pool)
+
+
+async def test_a_statement_cut_off_midway_holds_up_no_later_one(database: str) -> None:
+    pool = DirectPool(database, 1, wait_seconds=2)  # one connection: the next statement gets it back
+    try:
+
+        async def sleeps() -> None:
+            async with pool.connection() as conn:
+                await conn.execute("SELECT pg_sleep(30)")
+
+        task = asyncio.create_task(sleeps())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        started = time.monotonic()
+        await _backend(pool)  # on a connection between statements, not behind the sleep
+        assert time.monotonic() - started < 2
+    finally:
+        await pool.close()
+
+
+async def test_a_broken_connection_is_an_outage_and_drops_the_idle_ones(
+    pool: DirectPool, database: str
+) -> None:
+    # Two idle connections, both of whose servers go away (as in a Postgres restart).
+    async with pool.connection() as one, pool.connection() as two:
+        pids = [one.info.backend_pid, two.info.backend_pid]
+    for pid in pids:
+        await _terminate(database, pid)
+    with pytest.raises(psycopg.OperationalError) as raised:
+        await _backend(pool)
+    assert is_postgres_outage(raised.value)
+    # The other idle connection went with the first failure: the next statement succeeds at once.
+    assert await _backend(pool) not in pids
+
+
+async def test_a_connect_that_fails_raises_at_once_as_an_outage() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    pool = DirectPool(f"postgresql://postgres@127.0.0.1:{port}/none", 2, wait_seconds=30)
+    started = time.monotonic()
+    with pytest.raises(psycopg.OperationalError) as raised:
+        await _backend(pool)
+    assert time.monotonic() - started < 5
+    assert is_postgres_outage(raised.value)
+
+
+async def test_no_connection_free_in_time_is_an_outage(pool: DirectPool) -> None:
+    async with pool.connection(), pool.connection():
+        with pytest.raises(PoolTimeoutError) as raised:
+            await _backend(pool)
+    assert is_postgres_outage(raised.value)
+    await _backend(pool)  # both back: free again
+
+
+def test_the_connections_are_split_between_the_engine_and_the_direct_pool() -> None:
+    assert shares(20) == (10, 10)
+    assert shares(3) == (2, 1)
+    assert shares(2) == (1, 1)
+
+
+def test_a_sqlalchemy_url_names_no_driver_for_psycopg() -> None:
+    url = driver_url("postgresql+psycopg://user:secret@db:5433/respool?sslmode=require")
+    assert url == "postgresql://user:secret@db:5433/respool?sslmode=require"
+
+
+_ROW = {
+    "owner": "direct",
+    "status": "queued",
+    "model": "m",
+    "background": True,
+    "store": True,
+    "stream": False,
+    "previous_response_id": None,
+    "request": {"model": "m", "input": "héllo ☃"},
+    "conversation": [{"id": "msg_1", "type": "message", "role": "user", "content": "héllo ☃"}],
+    "chain_depth": 0,
+    "conversation_id": None,
+}
+
+
+@pytest.mark.parametrize("through", ["direct", "engine"])
+async def test_a_response_is_inserted_started_and_finished_through_either_connection(
+    pool: DirectPool, database: str, through: str
+) -> None:
+    response_id = f"resp_direct_{through}"
+    row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued"}}
+    engine = store.create_engine(database, connections=1)
+    try:
+        async with pool.connection() as conn:
+            await store.insert_response(conn, row, row["conversation"])
+
+        async def run_statements(conn: store.Connection) -> None:
+            started = await store.start_attempt(conn, response_id, 1)
+            assert started is not None
+            assert started.status == "in_progress" and started.response["status"] == "in_progress"
+            assert started.request == row["request"] and started.conversation == row["conversation"]
+            assert await store.start_attempt(conn, response_id, 1) is None  # the attempt is taken
+            final = {"id": response_id, "status": "failed", "error": {"code": "server_error", "message": "x"}}
+            assert not await store.mark_finished(conn, response_id, 2, final)  # fenced: another attempt's
+            assert await store.mark_finished(conn, response_id, 1, final)
+
+        if through == "direct":
+            async with pool.connection() as conn:
+                await run_statements(conn)
+        else:
+            async with engine.begin() as sa:
+                await run_statements(sa)
+        async with pool.connection() as conn:
+            stored = await store.get_response(conn, response_id, "direct")
+            assert await store.get_response(conn, response_id, "someone else") is None
+        assert stored is not None and stored.status == "failed"
+        assert stored.response["error"] == {"code": "server_error", "message": "x"}
+        async with engine.connect() as sa:
+            assert [item["id"] for item in await store.own_input_items(sa, response_id)] == ["msg_1"]
+    finally:
+        await engine.dispose()
