@@ -59,11 +59,19 @@ async def test_a_dropped_connection_is_replaced_and_the_command_sent_once_more(
 async def test_a_command_cancelled_before_its_reply_leaves_no_reply_behind(one: Redis, redis: Redis) -> None:
     """The reply of a cancelled command must not answer the next one: its connection is closed."""
     await redis.delete("bare:list")
+    blocked = await bare_command(one, "CLIENT", "ID")
     waiting = asyncio.create_task(bare_command(one, "BLPOP", "bare:list", 5))
     await asyncio.sleep(0.2)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+    # Redis notices the close on its own time: until then the BLPOP would still take what comes.
+    for _ in range(250):
+        if not await redis.execute_command("CLIENT", "LIST", "ID", blocked):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        pytest.fail("the cancelled command's connection was kept open")
     await redis.rpush("bare:list", "late")  # no one blocks on it any more
     assert await bare_command(one, "ECHO", "next") == b"next"
     assert await redis.lpop("bare:list") == b"late"
