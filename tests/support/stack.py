@@ -93,6 +93,21 @@ def rows_with_metadata(backing: Servers, marker: str) -> int:
         engine.dispose()
 
 
+@contextmanager
+def fresh_database(url: str, *, migrated: bool = True) -> Iterator[str]:
+    """A database of its own beside `url`'s (with respool's schema unless `migrated` is false),
+    dropped afterwards: for tests that count its connections or rows, or migrate it themselves."""
+    from worker.postgres.migrate import migrate
+
+    database, drop = _fresh_database(url)
+    try:
+        if migrated:
+            migrate(database)
+        yield database
+    finally:
+        drop()
+
+
 def _fresh_database(url: str) -> tuple[str, Callable[[], None]]:
     from worker.postgres.store import async_url
 

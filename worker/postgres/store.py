@@ -42,6 +42,18 @@ def create_engine(database_url: str, connections: int, connect_timeout_seconds: 
     )
 
 
+def open_pools(
+    database_url: str, connections: int, connect_timeout_seconds: int = 5
+) -> tuple[AsyncEngine, direct.DirectPool]:
+    """A process's two ways to Postgres, its `connections` split between them (`direct.shares`):
+    the engine, for transactions, and the direct pool, for the hot single statements."""
+    for_engine, for_direct = direct.shares(connections)
+    return (
+        create_engine(database_url, for_engine, connect_timeout_seconds),
+        direct.DirectPool(database_url, for_direct, connect_timeout_seconds=connect_timeout_seconds),
+    )
+
+
 def single_statements(engine: AsyncEngine) -> AsyncEngine:
     """`engine`, each statement its own transaction (autocommit): for work that is one statement,
     such as every compare-and-set below, with no BEGIN and COMMIT round trips around it."""

@@ -20,7 +20,7 @@ from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
 from worker.outbound import OutboundPolicy
 from worker.postgres import store
-from worker.postgres.direct import DirectPool, shares
+from worker.postgres.direct import DirectPool
 from worker.postgres.keys import compaction_sealer
 from worker.protocol.compaction import Sealer
 from worker.queue import delivery_queue
@@ -110,11 +110,11 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     routes = load_routes(settings)
     # The deliveries' queue only builds RQ's commands on this client; they go out on `redis`.
     deliveries = delivery_queue(sync_client(settings.redis_url), settings.queue)
-    for_engine, for_direct = shares(settings.database_connections)
+    engine, direct = store.open_pools(settings.database_url, settings.database_connections)
     return Runtime(
         notifier=Notifier(routes.webhooks, redis, deliveries),
-        engine=store.create_engine(settings.database_url, connections=for_engine),
-        direct=DirectPool(settings.database_url, for_direct),
+        engine=engine,
+        direct=direct,
         redis=redis,
         http=create_client(
             settings.upstream_stall_seconds, concurrency, connect_seconds=settings.upstream_connect_seconds

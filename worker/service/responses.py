@@ -45,7 +45,7 @@ from worker.keys import response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
 from worker.postgres import conversations, store
-from worker.postgres.direct import DirectPool, shares
+from worker.postgres.direct import DirectPool
 from worker.postgres.keys import compaction_sealer
 from worker.protocol import compaction, tools
 from worker.protocol.compaction import Sealer
@@ -121,12 +121,9 @@ class ResponseService:
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
-        for_engine, for_direct = shares(settings.database_connections)
-        connect_timeout = settings.database_connect_timeout_seconds
-        engine = store.create_engine(
-            settings.database_url, connections=for_engine, connect_timeout_seconds=connect_timeout
+        engine, direct = store.open_pools(
+            settings.database_url, settings.database_connections, settings.database_connect_timeout_seconds
         )
-        direct = DirectPool(settings.database_url, for_direct, connect_timeout_seconds=connect_timeout)
         timeout = settings.redis_timeout_seconds
         redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
         sync_redis = sync_client(settings.redis_url, timeout)

@@ -13,21 +13,18 @@ from collections.abc import AsyncIterator, Iterator
 import psycopg
 import pytest
 
-from tests.support.stack import Servers, _fresh_database
+from tests.support.stack import Servers, fresh_database
 from worker.outages import is_postgres_outage
 from worker.postgres import store
 from worker.postgres.direct import DirectPool, PoolTimeoutError, driver_url, shares
-from worker.postgres.migrate import migrate
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def database(backing: Servers) -> Iterator[str]:
-    url, drop = _fresh_database(backing.database_url)
-    migrate(url)
-    yield url
-    drop()
+    with fresh_database(backing.database_url) as url:
+        yield url
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from alembic import command
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
-from tests.support.stack import Servers, _fresh_database
+from tests.support.stack import Servers, fresh_database
 from worker.postgres.migrate import alembic_config, migrate
 from worker.postgres.store import async_url
 
@@ -25,9 +25,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def empty_database(backing: Servers) -> Iterator[str]:
-    url, drop = _fresh_database(backing.database_url)
-    yield url
-    drop()
+    with fresh_database(backing.database_url, migrated=False) as url:
+        yield url
 
 
 def _upgrade(url: str, revision: str) -> None:

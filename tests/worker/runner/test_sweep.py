@@ -26,11 +26,10 @@ from rq.serializers import JSONSerializer
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from tests.support.stack import Servers, _fresh_database
+from tests.support.stack import Servers, fresh_database
 from tests.support.webhook_receiver import Receiver
 from worker.errors import ConfigError
 from worker.postgres import deliveries
-from worker.postgres.migrate import migrate
 from worker.postgres.store import async_url
 from worker.queue import job_statuses, response_queue
 from worker.runner.deliveries import Deliverer
@@ -45,10 +44,8 @@ HELD = 5
 
 @pytest.fixture
 def database(backing: Servers) -> Iterator[str]:
-    url, drop = _fresh_database(backing.database_url)
-    migrate(url)
-    yield url
-    drop()
+    with fresh_database(backing.database_url) as url:
+        yield url
 
 
 @pytest.fixture
