@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 from redis import Redis
-from rq import Queue
 
+from tests.support.queue import QueueView
 from tests.support.stack import Servers, Stack, servers
 from tests.support.tool_servers import McpServerProcess, SearchServerProcess
 from tests.support.upstream_process import ScriptedUpstream
@@ -187,10 +187,10 @@ def open_client(queue_only: Stack) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture
-def rq_queue(backing: Servers) -> Iterator[Callable[[Stack], Queue]]:
-    """RQ's view of a stack's queue, on a connection closed after the test."""
+def queue_view(backing: Servers) -> Iterator[Callable[[Stack], QueueView]]:
+    """What a stack's response queue holds, on a connection closed after the test."""
     with Redis.from_url(backing.redis_url) as connection:
-        yield lambda running: Queue(running.env["RESPOOL_QUEUE"], connection=connection)
+        yield lambda running: QueueView(connection, running.env["RESPOOL_QUEUE"])
 
 
 @pytest.fixture

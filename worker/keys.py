@@ -77,8 +77,33 @@ def webhook_slots_key(queue: str, endpoint: str) -> str:
     return f"{PREFIX}:webhooks:{queue}:{{{endpoint}}}:slots"
 
 
+def queue_key(queue: str) -> str:
+    """The response queue (DESIGN.md §4): a list of response ids, taken from the left, enqueued on the
+    right; one put back (a drained or abandoned response) goes to the left. The queue's keys hash-tag
+    its name, so its scripts stay valid on Redis Cluster."""
+    return f"{PREFIX}:queue:{{{queue}}}"
+
+
+def held_key(queue: str) -> str:
+    """Every response the queue holds (waiting, being taken or running), a sorted set: a waiting
+    one scored +inf, a running one by when its holder's lease is due to be renewed by (ms); one
+    past that with no lease is abandoned (its worker died) and is put back or given up."""
+    return f"{PREFIX}:queue:{{{queue}}}:held"
+
+
+def workers_key(queue: str) -> str:
+    """The workers taking from the queue, a sorted set scored by when each is due to beat again (ms):
+    one past it is dead, and what it was taking goes back to the queue."""
+    return f"{PREFIX}:queue:{{{queue}}}:workers"
+
+
+def taking_key(queue: str, worker: str) -> str:
+    """What a worker has popped and not yet leased (a list; it holds an id for one round trip)."""
+    return f"{PREFIX}:queue:{{{queue}}}:taking:{worker}"
+
+
 def registries_lock_key(queue: str) -> str:
-    """Held (PX) by the one worker handling RQ's abandoned jobs of `queue` now (worker/runner/worker.py)."""
+    """Held (PX) by the one worker handling RQ's abandoned delivery jobs of `queue` now (worker/runner/worker.py)."""
     return f"{PREFIX}:registries:{queue}"
 
 

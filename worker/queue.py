@@ -1,71 +1,238 @@
-"""The queue contract between the API and the workers: RQ jobs whose id is the response id.
+"""The queue contract between the API and the workers (DESIGN.md §4).
 
-A job's only argument is the response id: the request, the conversation and every secret stay
-out of Redis (DESIGN.md §8). RQ is synchronous: the API sends the enqueue's commands (which RQ
-builds) on its asyncio client, and calls the other functions here in a thread.
+Responses go through respool's own queue: a Redis list of response ids (`queue_key`), and beside
+it a sorted set of every response the queue holds (`held_key`): waiting (+inf), or running, scored
+by when its holder must have renewed its lease by. A worker pops an id into a list of its own
+(`taking_key`: a worker killed between the pop and the lease loses nothing) and, in one round trip,
+takes it out of that list, sets its deadline and takes the lease. The request, the conversation and
+every secret stay out of Redis's queue (DESIGN.md §8): only the id is queued.
+
+RQ's job records (a hash a job, its registries, executions and results: about 30 commands and
+1.5 ms of a worker's CPU a response) are kept for webhook deliveries only, which are RQ jobs on
+a queue of their own. RQ is synchronous: the API sends their enqueue's commands (which RQ builds)
+on its asyncio client, and calls the other functions here in a thread.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis as AsyncRedis
 from redis.client import Pipeline
-from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from worker.events.lease import FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, add_events
-from worker.keys import secrets_key
+from worker.keys import held_key, queue_key, secrets_key, taking_key, workers_key
 
-# The job function, as RQ records it in every job: the runner package's own name for it, which a
-# worker of an earlier release (during a rolling upgrade) and of a later one both resolve.
-JOB_FUNCTION = "worker.runner.run_job"
-# A response may stream for a long time; the lease, not RQ's job timeout, bounds a dead worker.
 # A delivery attempt's job function, as RQ records it (respool's worker runs it itself).
 DELIVERY_FUNCTION = "worker.runner.deliver_job"
+# A delivery may take long; the worker's own timeouts bound it, not RQ's job timeout.
 JOB_TIMEOUT = -1
 RESULT_TTL = 600
+
+# KEYS: queue, held. ARGV: response id. Takes a response that no worker has taken out of the queue.
+_REMOVE_QUEUED = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: taking, queue. Puts back, at the front of the queue, what a worker had popped and not leased.
+_PUT_BACK = """
+local n = 0
+while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
+return n
+"""
+
+
+# KEYS: taking, queue. ARGV: response id. Puts one popped response back at the front of the queue.
+_HAND_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: RQ's queue of responses (an earlier release's), the queue, held. Takes in what it holds.
+_ADOPT = """
+local n = 0
+while true do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then return n end
+  redis.call('ZADD', KEYS[3], 'inf', id)
+  n = n + 1
+end
+"""
+
+
+class ResponseQueue:
+    """One queue of responses (`RESPOOL_QUEUE`) on an asyncio client."""
+
+    def __init__(self, redis: AsyncRedis, name: str, deadline_seconds: float = 8.0) -> None:
+        self.redis = redis
+        self.name = name
+        self.key = queue_key(name)
+        self.held = held_key(name)
+        self.workers = workers_key(name)
+        # How long a running response's holder has to renew it before it counts as abandoned.
+        self.deadline_seconds = deadline_seconds
+
+    async def enqueue(
+        self, response_id: str, first_events: list[Event], secrets: tuple[bytes, int] | None = None
+    ) -> None:
+        """Append the response's first events and queue it, in one MULTI (DESIGN.md §2.1); with
+        `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if secrets is not None:
+                pipe.set(secrets_key(response_id), secrets[0], ex=secrets[1])
+            add_events(pipe, response_id, first_events)
+            pipe.zadd(self.held, {response_id: math.inf})
+            pipe.rpush(self.key, response_id)
+            await pipe.execute()
+
+    async def depth(self) -> int:
+        """How many responses wait for a worker."""
+        return int(await self.redis.llen(self.key))
+
+    async def remove_queued(self, response_id: str) -> bool:
+        """Take a response that no worker has taken out of the queue; False if a worker has it."""
+        return bool(await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id))
+
+    async def forget(self, response_id: str) -> None:
+        """Drop a deleted response from what the queue holds."""
+        await self.redis.zrem(self.held, response_id)
+
+    # The worker's side ---------------------------------------------------------------------------
+
+    async def take(self, blocking: AsyncRedis, worker: str, timeout_seconds: float) -> str | None:
+        """The next response id, popped into `worker`'s taking list (None: none came in time).
+        `blocking` is a client whose reads may wait that long."""
+        popped = await blocking.execute_command(  # type: ignore[no-untyped-call]
+            "BLMOVE", self.key, taking_key(self.name, worker), "LEFT", "RIGHT", timeout_seconds
+        )
+        return None if popped is None else _decoded(popped)
+
+    async def start(
+        self, leases: Leases, response_id: str, worker: str
+    ) -> tuple[Lease, FlatEntry | None] | None:
+        """Take the response out of `worker`'s taking list, give it a deadline, and take its lease
+        with the stream's newest entry, in one round trip and one transaction (the response is never
+        out of the list without its deadline); None while another holder's lease is alive (it renews
+        the deadline then)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrem(taking_key(self.name, worker), 0, response_id)
+            pipe.zadd(self.held, {response_id: _ms(time.time() + self.deadline_seconds)})
+            leases.acquire_commands(pipe, response_id, worker)
+            replies = await pipe.execute()
+        return acquired(response_id, worker, replies[-1])
+
+    async def finished(self, leases: Leases, lease: Lease) -> None:
+        """The response has ended: give its lease back and drop it from what the queue holds."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.held, lease.response_id)
+            release_commands(pipe, lease)
+            await pipe.execute()
+
+    async def put_back(self, leases: Leases, lease: Lease) -> None:
+        """A response this worker stopped (to shut down): at the front of the queue, then its lease
+        given back. Queued first: should this process die in between, the lease expires onto a
+        response that is queued (and held as waiting), which another worker takes."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lpush(self.key, lease.response_id)
+            pipe.zadd(self.held, {lease.response_id: math.inf})
+            release_commands(pipe, lease)
+            await pipe.execute()
+
+    async def renew(self, response_ids: list[str], worker: str, worker_seconds: float) -> None:
+        """The heartbeat's share: each running response's new deadline (only where the queue still
+        holds it), and the worker's own (it counts as alive `worker_seconds` from now)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if response_ids:
+                pipe.zadd(
+                    self.held, dict.fromkeys(response_ids, _ms(time.time() + self.deadline_seconds)), xx=True
+                )
+            pipe.zadd(self.workers, {worker: _ms(time.time() + worker_seconds)})
+            await pipe.execute()
+
+    async def hand_back(self, response_id: str, worker: str) -> bool:
+        """Put a response this worker popped and could not start back at the front of the queue
+        (if it is still in the worker's taking list); whether it was."""
+        return bool(
+            await self.redis.eval(_HAND_BACK, 2, taking_key(self.name, worker), self.key, response_id)
+        )
+
+    async def leave(self, worker: str) -> None:
+        """A worker that stops: what it popped and never leased goes back, and it leaves the queue."""
+        await self.redis.eval(_PUT_BACK, 2, taking_key(self.name, worker), self.key)
+        await self.redis.zrem(self.workers, worker)
+
+    # The sweep's side ----------------------------------------------------------------------------
+
+    async def overdue(self, limit: int) -> list[str]:
+        """Running responses whose holder missed its deadline."""
+        found = await self.redis.zrangebyscore(self.held, "-inf", _ms(time.time()), start=0, num=limit)
+        return [_decoded(raw) for raw in found]
+
+    async def requeue(self, response_ids: list[str]) -> None:
+        """Put abandoned responses back at the front of the queue, as waiting."""
+        if not response_ids:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for response_id in response_ids:
+                pipe.lpush(self.key, response_id)
+            pipe.zadd(self.held, dict.fromkeys(response_ids, math.inf))
+            await pipe.execute()
+
+    async def extend(self, response_ids: list[str]) -> None:
+        """A new deadline for responses found still leased (their holder's heartbeat was late)."""
+        if response_ids:
+            await self.redis.zadd(
+                self.held, dict.fromkeys(response_ids, _ms(time.time() + self.deadline_seconds))
+            )
+
+    async def drop(self, response_ids: list[str]) -> None:
+        if response_ids:
+            await self.redis.zrem(self.held, *response_ids)
+
+    async def holds(self, response_ids: list[str]) -> list[bool]:
+        """Whether the queue holds each response (waiting, being taken or running)."""
+        if not response_ids:
+            return []
+        scores = await self.redis.zmscore(self.held, response_ids)
+        return [score is not None for score in scores]
+
+    async def adopt(self) -> int:
+        """Take into the queue responses an earlier release queued as RQ jobs (a rolling upgrade);
+        how many there were."""
+        return int(await self.redis.eval(_ADOPT, 3, f"rq:queue:{self.name}", self.key, self.held))
+
+    async def dead_workers(self) -> int:
+        """Put back what dead workers had popped and never leased; how many responses that was."""
+        dead = await self.redis.zrangebyscore(self.workers, "-inf", _ms(time.time()))
+        moved = 0
+        for raw in dead:
+            worker = _decoded(raw)
+            moved += int(await self.redis.eval(_PUT_BACK, 2, taking_key(self.name, worker), self.key))
+            await self.redis.zrem(self.workers, worker)
+        return moved
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def _decoded(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 # Redis commands as a pipeline records them: each one's arguments and options.
 type Commands = list[tuple[tuple[Any, ...], dict[str, Any]]]
-
-
-def response_queue(connection: SyncRedis, name: str) -> Queue:
-    return Queue(name, connection=connection, serializer=JSONSerializer)
-
-
-def enqueue_commands(
-    queue: Queue, response_id: str, first_events: list[Event], max_attempts: int
-) -> Commands:
-    """The commands that append the response's first events and enqueue its job, for an asyncio
-    client to send in one MULTI (DESIGN.md §2.1).
-
-    RQ itself builds them, on a pipeline that only records (so the job's format stays RQ's own);
-    nothing is sent. It needs `queue.redis_server_version` set, or it asks the server for it first.
-    A job whose worker dies is retried by RQ's maintenance, up to `max_attempts` runs in all
-    (DESIGN.md §4, "Orphans"); the next attempt decides whether it may generate again.
-    """
-
-    def build(recorder: Pipeline) -> None:
-        add_events(recorder, response_id, first_events)
-        queue.enqueue_call(
-            JOB_FUNCTION,
-            args=(response_id,),
-            job_id=response_id,
-            timeout=JOB_TIMEOUT,
-            result_ttl=RESULT_TTL,
-            failure_ttl=RESULT_TTL,
-            retry=Retry(max=max_attempts - 1) if max_attempts > 1 else None,
-            description=f"response {response_id}",
-            pipeline=recorder,
-        )
-
-    return recorded(queue.connection, build)
 
 
 def recorded(connection: SyncRedis, build: Callable[[Pipeline], object]) -> Commands:
@@ -86,23 +253,6 @@ async def send(redis: AsyncRedis, commands: Commands) -> None:
         for args, options in commands:
             pipe.execute_command(*args, **options)
         await pipe.execute()
-
-
-async def enqueue(
-    redis: AsyncRedis,
-    queue: Queue,
-    response_id: str,
-    first_events: list[Event],
-    max_attempts: int,
-    secrets: tuple[bytes, int] | None = None,
-) -> None:
-    """Append the response's first events and enqueue its job, in one MULTI on an asyncio client;
-    with `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
-    await _know_server_version(redis, queue)
-    commands = enqueue_commands(queue, response_id, first_events, max_attempts)
-    if secrets is not None:
-        commands.insert(0, (("SET", secrets_key(response_id), secrets[0], "EX", secrets[1]), {}))
-    await send(redis, commands)
 
 
 def delivery_queue(connection: SyncRedis, name: str) -> Queue:
@@ -145,26 +295,6 @@ def parse_server_version(version: str) -> tuple[int, int, int]:
     """`INFO server`'s `redis_version` as RQ keeps it (`Queue.redis_server_version`)."""
     parts = [int(part) for part in str(version).split(".")[:3]]
     return (*parts, 0, 0, 0)[:3]  # type: ignore[return-value]
-
-
-def remove_queued(queue: Queue, response_id: str) -> bool:
-    """Take a job that no worker has picked up out of the queue; False if a worker already has it."""
-    if queue.remove(response_id) == 0:
-        return False
-    job = Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer)
-    with queue.connection.pipeline() as pipe:
-        job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        queue.canceled_job_registry.add(job, pipeline=pipe)
-        pipe.execute()
-    return True
-
-
-def delete_job(queue: Queue, response_id: str) -> None:
-    """Remove a finished response's job record, if RQ still has one."""
-    try:
-        Job.fetch(response_id, connection=queue.connection, serializer=JSONSerializer).delete()
-    except NoSuchJobError:  # already expired: nothing to delete
-        return
 
 
 def job_statuses(queue: Queue, job_ids: list[str]) -> dict[str, JobStatus | None]:

@@ -80,9 +80,10 @@ class Settings(BaseSettings):
     concurrency: int = 256
     queue: str = "respool"
 
-    # Timing (DESIGN.md §4: heartbeat < lease TTL < RQ registry TTL). A worker killed outright is
-    # noticed when its RQ executions expire (registry_seconds after its last heartbeat) by the next
-    # maintenance (every maintenance_seconds): its responses are recovered within about 10 s.
+    # Timing (DESIGN.md §4: heartbeat < lease TTL < registry_seconds). A worker killed outright is
+    # noticed when its responses' deadlines pass (registry_seconds after its last heartbeat) by the
+    # next maintenance (every maintenance_seconds): its responses are recovered within about 10 s.
+    # (registry_seconds is also the TTL of RQ's records of a webhook delivery under way.)
     heartbeat_seconds: float = 2.0
     lease_seconds: float = 6.0
     registry_seconds: int = 8

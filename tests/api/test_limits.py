@@ -14,6 +14,7 @@ from redis import Redis
 
 from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack
+from worker.keys import queue_key
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,7 @@ def http(limited: Stack) -> Iterator[httpx.Client]:
 
 def _queued(limited: Stack, backing: Servers) -> int:
     with Redis.from_url(backing.redis_url) as redis:
-        return int(redis.llen(f"rq:queue:{limited.env['RESPOOL_QUEUE']}"))
+        return int(redis.llen(queue_key(limited.env["RESPOOL_QUEUE"])))
 
 
 def _body(text_bytes: int) -> bytes:

@@ -145,7 +145,8 @@ def test_no_key_is_left_anywhere_a_run_writes(
     guarded: tuple[Stack, str], backing: Servers, upstream: ScriptedUpstream
 ) -> None:
     """After every path, the failing ones included, the keys are in no log, row, Redis key or value,
-    RQ job, metric or answer; while each of those places does hold what the run did."""
+    RQ job, metric or answer; while each of those places does hold what the run did (responses are
+    no RQ jobs: their event streams are what Redis keeps of them)."""
     running, worker_metrics = guarded
     _script(upstream)
     with make_sdk(running.url, API_KEY) as sdk:
@@ -167,7 +168,7 @@ def test_no_key_is_left_anywhere_a_run_writes(
     places |= log_files(running.logs)
     places |= {f"answer {n} to the client": answer.encode() for n, answer in enumerate(said)}
 
-    for where in ("log api.log", "log worker.log", "table public.response", "rq job", "redis rq:job:"):
+    for where in ("log api.log", "log worker.log", "table public.response", "redis respool:{"):
         read = {place: content for place, content in places.items() if place.startswith(where)}
         assert search(read, {"a response id": ids[4]}), f"{where}: nothing of this run was read"
     assert b"respool_responses_finished_total" in places["metrics worker"]
@@ -177,7 +178,7 @@ def test_no_key_is_left_anywhere_a_run_writes(
 
 
 def test_the_search_finds_a_planted_key(tmp_path: Path, backing: Servers) -> None:
-    """A key planted in a log file, a table row, an RQ job's zlib-packed arguments and a base64'd,
+    """A key planted in a log file, a table row, an RQ job's zlib-packed arguments (a delivery's) and a base64'd,
     zlib-packed RQ result is found in each: the search above can fail."""
     planted = f"sk-planted-{uuid.uuid4().hex}"
     name = f"planted_{uuid.uuid4().hex[:8]}"
@@ -189,7 +190,7 @@ def test_the_search_finds_a_planted_key(tmp_path: Path, backing: Servers) -> Non
             with engine.begin() as conn:
                 conn.execute(text(f"CREATE TABLE {name} (body jsonb)"))
                 conn.execute(text(f"INSERT INTO {name} VALUES (:body)"), {"body": f'{{"key": "{planted}"}}'})
-            job = queue.enqueue_call("worker.runner.run_job", args=(planted,), job_id=name)
+            job = queue.enqueue_call("worker.runner.deliver_job", args=(planted,), job_id=name)
             packed = base64.b64encode(zlib.compress(f"Traceback: {planted}".encode()))
             redis.xadd(f"rq:results:{name}-planted", {"exc_string": packed})
             places = (

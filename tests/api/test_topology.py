@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 from redis import Redis
-from rq.job import Job
 
 from tests.conftest import make_sdk, own_stack
-from tests.support.faults import KILL, check_ended, wait_until_ended, worker_name
+from tests.support.faults import KILL, check_ended, lease_holders, wait_until_ended, worker_name
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 
@@ -35,18 +34,24 @@ def pair(
 def test_background_work_spreads_over_both_workers(
     pair: tuple[Stack, dict[str, str]], backing: Servers, upstream: ScriptedUpstream, model: str
 ) -> None:
-    """Responses created through both API processes are run by both workers, and all complete."""
+    """Responses created through both API processes are run by both workers (seen as their leases'
+    holders while they run), and all complete."""
     upstream.script(model, {"text": " ".join(f"w{n}" for n in range(10)), "delay": 0.1})
     stack, urls = pair
-    with make_sdk(urls["api-1"], "unused") as one, make_sdk(urls["api-2"], "unused") as two:
-        created = [
-            sdk.responses.create(model=model, input="x", background=True).id for sdk in (one, two) * 10
-        ]
-        assert set(wait_until_ended(one, created, timeout=60).values()) == {"completed"}
     with Redis.from_url(backing.redis_url) as redis:
         names = {worker_name(redis, stack, name) for name in ("worker-1", "worker-2")}
-        ran = {Job.fetch(rid, connection=redis).worker_name for rid in created}
-    assert ran == names
+        with make_sdk(urls["api-1"], "unused") as one, make_sdk(urls["api-2"], "unused") as two:
+            created = [
+                sdk.responses.create(model=model, input="x", background=True).id for sdk in (one, two) * 10
+            ]
+            ran: set[str] = set()
+
+            def all_seen_running() -> bool:
+                ran.update(holder for holder in lease_holders(redis, created).values() if holder)
+                return ran == names
+
+            wait_for(all_seen_running, timeout=30, interval=0.05, what="both workers running responses")
+            assert set(wait_until_ended(one, created, timeout=60).values()) == {"completed"}
 
 
 def test_killing_an_api_process_loses_no_response(

@@ -7,6 +7,7 @@ fencing token every later write is checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -73,11 +74,13 @@ class Leases:
         (`stream.take_lease` decodes it)."""
         keys = [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
         reply = await self._acquire(keys=keys, args=[holder, self._ttl_ms])
-        attempt = int(reply[0])
-        if not attempt:
-            return None
-        newest = reply[1]
-        return Lease(response_id, attempt, holder), (newest[0][0], newest[0][1]) if newest else None
+        return acquired(response_id, holder, reply)
+
+    def acquire_commands(self, pipe: Any, response_id: str, holder: str) -> None:
+        """Queue `acquire_reading`'s script on `pipe` (its reply is read by `acquired`). Sent whole
+        (EVAL): a pipeline's EVALSHA that met a Redis without the script would fail."""
+        keys = [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
+        pipe.eval(_ACQUIRE, len(keys), *keys, holder, self._ttl_ms)
 
     async def renew(self, leases: list[Lease]) -> list[Lease]:
         """Renew every lease in one pipeline; return the ones that were lost."""
@@ -94,3 +97,17 @@ class Leases:
     async def release(self, lease: Lease) -> None:
         """Give the lease up (a no-op if it is no longer ours)."""
         await self._release(keys=[lease_key(lease.response_id)], args=[lease.value])
+
+
+def acquired(response_id: str, holder: str, reply: list[Any]) -> tuple[Lease, FlatEntry | None] | None:
+    """The lease and newest entry an acquire's reply gives; None if another holder's lease is alive."""
+    attempt = int(reply[0])
+    if not attempt:
+        return None
+    newest = reply[1]
+    return Lease(response_id, attempt, holder), (newest[0][0], newest[0][1]) if newest else None
+
+
+def release_commands(pipe: Any, lease: Lease) -> None:
+    """Queue the release of `lease` on `pipe` (a no-op if the lease is no longer ours), sent whole."""
+    pipe.eval(_RELEASE, 1, lease_key(lease.response_id), lease.value)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -26,7 +25,7 @@ from worker.errors import (
     redact,
 )
 from worker.events.lease import Lease
-from worker.events.stream import Event, last_event, read_events, start_over, take_lease
+from worker.events.stream import Event, decode_flat, last_event, read_events, start_over
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
@@ -35,9 +34,8 @@ from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finishe
 from worker.routing import Route, UpstreamApi
 from worker.runner import compacting, summary, tool_loop
 from worker.runner.metrics import WorkerMetrics
-from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
+from worker.runner.runtime import RunEnd, Runtime
 from worker.runner.upstream import RESPONSES_STREAM, stream_json
-from worker.settings import Settings
 from worker.translation import chat_request, chat_stream, native, output, replay
 from worker.translation.chat_tools import ServerTool
 
@@ -50,7 +48,8 @@ WORKER_LOST = (
 
 
 async def run_response(rt: Runtime, response_id: str) -> RunEnd:
-    """Run `response_id` to its end under a new lease (DESIGN.md §2, steps 2-3)."""
+    """Run `response_id`, which this worker took from the queue, to its end under a new lease
+    (DESIGN.md §2, steps 2-3); the queue is told how it ended."""
     logs.RESPONSE_ID.set(response_id)  # this task's log lines carry it
     acquired = await _acquire(rt, response_id)
     if acquired is None:
@@ -59,58 +58,79 @@ async def run_response(rt: Runtime, response_id: str) -> RunEnd:
     lease, last = acquired
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
     rt.held[response_id] = lease
+    end: RunEnd | None = None
     try:
         await _run_attempt(rt, lease, last)
-        return RunEnd.FINISHED
+        end = RunEnd.FINISHED
     except FencedOutError:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
-        return RunEnd.FENCED
+        end = RunEnd.FENCED
     except asyncio.CancelledError:
         end = rt.interrupted.get(response_id)
         if end is None:
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         log.warning("response %s: attempt %d %s", response_id, lease.attempt, end)
-        return end
     except Exception:
-        await _fail_unexpectedly(rt, lease)
+        if await _fail_unexpectedly(rt, lease):
+            end = RunEnd.FINISHED
         raise
     finally:
         rt.running.pop(response_id, None)
         rt.held.pop(response_id, None)
         rt.cancelling.discard(response_id)
         rt.interrupted.pop(response_id, None)
+        await _let_go(rt, lease, end)
+    assert end is not None  # every way out without one raised
+    return end
+
+
+async def _let_go(rt: Runtime, lease: Lease, end: RunEnd | None) -> None:
+    """Give the lease back, and tell the queue: an ended response leaves it, a stopped one goes
+    back to its front. Otherwise (fenced out; broken before the response could be failed) it stays
+    held: its next holder's, or past its deadline the sweep's to put back or give up (DESIGN.md §4)."""
+    if end is RunEnd.FINISHED:
+        await rt.queue.finished(rt.leases, lease)
+    elif end is RunEnd.STOPPED:
+        await rt.queue.put_back(rt.leases, lease)
+        log.info("response %s: requeued for another worker", lease.response_id)
+    else:
         await rt.leases.release(lease)
 
 
 async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None] | None:
     """A new lease and the stream's newest event, waiting out a holder that is gone but whose lease
-    has not expired yet (a dead or frozen worker whose job RQ retried). None if a live holder keeps
-    renewing it."""
+    has not expired yet (a frozen worker whose response the sweep put back). None if a live holder
+    keeps renewing it."""
     deadline = time.monotonic() + rt.leases.ttl_seconds + 1
-    while (acquired := await take_lease(rt.leases, response_id, rt.holder)) is None:
+    start = partial(rt.queue.start, rt.leases, response_id, rt.holder)
+    while (acquired := await _patiently(rt, start)) is None:
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.5)
-    return acquired
+    lease, newest = acquired
+    return lease, None if newest is None else decode_flat(*newest)
 
 
-async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> None:
-    """An attempt broke on something other than its upstream: end the response failed, if we still can."""
+async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
+    """An attempt broke on something other than its upstream: end the response failed, if we still
+    can; whether it has ended."""
     log.exception("response %s: attempt %d broke; failing the response", lease.response_id, lease.attempt)
     try:
         async with rt.engine.connect() as conn:
             stored = await store.get_response(conn, lease.response_id)
         last = await last_event(rt.redis, lease.response_id)
         if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
-            return
+            return stored is None or stored.status in TERMINAL
         writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
         final = failed(
             stored.response, "The server had an error while running this response.", int(time.time())
         )
         await _finish(rt, writer, stored, final)
+        return True
     except Exception:
         log.exception("response %s: could not record the failure; recovery will end it", lease.response_id)
+        return False
 
 
 async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
@@ -494,19 +514,3 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
         return bool(won)
     finally:
         await rt.leases.release(lease)
-
-
-def run_job(response_id: str) -> None:
-    """The RQ job function, for a stock `rq worker` on respool's queue (one response per process).
-
-    respool's own worker never calls it: it runs `run_response` for many jobs on one event loop.
-    """
-
-    async def run_once() -> None:
-        rt = await open_runtime(Settings(), f"rq:{os.getpid()}", 1)
-        try:
-            await run_response(rt, response_id)
-        finally:
-            await close_runtime(rt)
-
-    asyncio.run(run_once())

@@ -1,28 +1,26 @@
 """Responses nobody will finish, and retention (DESIGN.md §4 "Orphans", §2.7).
 
-RQ's maintenance retries the job of a worker that died (worker/queue.py); the next attempt then
-runs the response again, or ends it when output had already reached clients (worker/runner/attempt.py).
-The sweep handles what that cannot: it ends `failed`, with a message saying why, every live row
-(queued or in progress) that is older than a grace period, whose lease nobody holds, and whose job
-RQ no longer holds as waiting or running (it gave up after `max_attempts`, or Redis lost the job).
-In-progress rows are all looked at every sweep; queued rows, a bounded number of pages per sweep
-(`end_orphans`). It also deletes stored responses finished more than `retention_days` ago, and
-webhook deliveries that ended as long ago.
+A running response whose holder missed its deadline (its worker died, or froze past its lease) is
+put back at the front of the queue (worker/queue.py), unless it has been run `max_attempts` times:
+then it is given up, ended `failed` saying so. What a dead worker had popped and never leased goes
+back too. The next attempt runs the response again, or ends it when output had already reached
+clients (worker/runner/attempt.py). The sweep also ends `failed`, with a message saying why, every
+live row (queued or in progress) that is older than a grace period, whose lease nobody holds, and
+which the queue does not hold (Redis lost it). In-progress rows are all looked at every sweep;
+queued rows, a bounded number of pages per sweep (`end_orphans`). It also deletes stored responses
+finished more than `retention_days` ago, and webhook deliveries that ended as long ago.
 
 Every worker runs it every `maintenance_seconds`; a Redis lock lets one of them at a time do it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 from datetime import datetime
 
 import orjson
-from rq.job import JobStatus
 
-from worker.keys import lease_key, sweep_cursor_key, sweep_lock_key
+from worker.keys import attempt_key, lease_key, sweep_cursor_key, sweep_lock_key
 from worker.postgres import deliveries, store
 from worker.protocol.response import Status
 from worker.runner.attempt import end_response
@@ -35,27 +33,21 @@ BATCH = 500
 # Pages of queued rows one sweep reads (see end_orphans), and how long the place it stopped is kept.
 QUEUED_PAGES = 4
 CURSOR_TTL = 3600
-# Job states in which RQ will still run, or is running, the job.
-_HELD = frozenset(
-    {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED, JobStatus.CREATED}
-)
-
 LOST_JOB = "respool lost this response's job (its queue data was lost) before it finished. Retry the request."
 GIVEN_UP = (
     "The worker running this response stopped before it finished, each time respool ran it "
     "(RESPOOL_MAX_ATTEMPTS); it was given up. Retry the request."
 )
 
-JobStatuses = Callable[[list[str]], dict[str, JobStatus | None]]
 
-
-async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> int:
+async def sweep(rt: Runtime, settings: Settings) -> int:
     """One sweep, if no other process is sweeping; the number of responses it ended."""
     lock_ms = int(settings.maintenance_seconds * 1000)
     # One lock per queue: deployments sharing a Redis each sweep their own responses.
     if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
         return 0
-    ended = await end_orphans(rt, settings, job_statuses)
+    ended = await take_back(rt, settings.max_attempts)
+    ended += await end_orphans(rt, settings)
     # Each statement its own transaction (autocommit), here and in the pages below: a sweep runs
     # every few seconds on an idle system too, and BEGIN and COMMIT were two round trips of three.
     async with rt.autocommit.connect() as conn:
@@ -66,15 +58,53 @@ async def sweep(rt: Runtime, settings: Settings, job_statuses: JobStatuses) -> i
     return ended
 
 
-async def end_orphans(
-    rt: Runtime, settings: Settings, job_statuses: JobStatuses, batch: int = BATCH, pages: int = QUEUED_PAGES
-) -> int:
+async def take_back(rt: Runtime, max_attempts: int, batch: int = BATCH) -> int:
+    """Put back at the front of the queue every running response whose holder missed its deadline
+    and whose lease is gone, or give it up (end it `failed`) once it has been run `max_attempts`
+    times; hand back what dead workers had popped. The number given up."""
+    moved = await rt.queue.dead_workers()
+    if moved:
+        log.warning("put back %d responses that dead workers had taken and not started", moved)
+    adopted = await rt.queue.adopt()
+    if adopted:
+        log.info("took %d responses an earlier release had queued as RQ jobs into the queue", adopted)
+    overdue = await rt.queue.overdue(batch)
+    if not overdue:
+        return 0
+    async with rt.redis.pipeline(transaction=False) as pipe:
+        for response_id in overdue:
+            pipe.exists(lease_key(response_id))
+            pipe.get(attempt_key(response_id))
+        replies = await pipe.execute()
+    leased, put_back, given_up = [], [], []
+    for index, response_id in enumerate(overdue):
+        is_leased, attempts = replies[2 * index], int(replies[2 * index + 1] or 0)
+        if is_leased:
+            leased.append(response_id)  # its holder's heartbeat is late: not abandoned yet
+        elif attempts >= max_attempts:
+            given_up.append(response_id)
+        else:
+            put_back.append(response_id)
+    await rt.queue.extend(leased)
+    await rt.queue.requeue(put_back)
+    for response_id in put_back:
+        log.warning("response %s: its worker stopped holding it; back in the queue", response_id)
+    ended = 0
+    for response_id in given_up:
+        if await end_response(rt, response_id, GIVEN_UP):
+            log.warning("response %s: given up after %d attempts", response_id, max_attempts)
+            rt.metrics.orphans.inc()
+            ended += 1
+    await rt.queue.drop(given_up)
+    return ended
+
+
+async def end_orphans(rt: Runtime, settings: Settings, batch: int = BATCH, pages: int = QUEUED_PAGES) -> int:
     """End orphaned live responses (see the module docstring); the number ended.
 
     Two lanes. Every in-progress row is looked at each sweep, a page at a time: they are few (what
-    the workers run) and hold nearly every orphan (a worker died, or RQ gave its job up), so these
-    are ended within one sweep. Queued rows can be a backlog of any depth, nearly all held by RQ;
-    an orphan among them means Redis lost its job. Each sweep reads at most `pages` pages of them,
+    the workers run), so an orphan among them is ended within one sweep. Queued rows can be a
+    backlog of any depth, nearly all held by the queue; an orphan among them means Redis lost it. Each sweep reads at most `pages` pages of them,
     from where the last sweep (of any worker) stopped, starting over after the newest: every queued
     row is still looked at, at a bounded cost per sweep.
     """
@@ -85,7 +115,7 @@ async def end_orphans(
         the last), and the number ended."""
         async with rt.autocommit.connect() as conn:
             rows = await store.live_response_ids(conn, status, grace, batch, after)
-        ended = await _end_unheld(rt, [response_id for _, response_id in rows], job_statuses)
+        ended = await _end_unheld(rt, [response_id for _, response_id in rows])
         return (rows[-1] if len(rows) == batch else None), ended
 
     total, after = 0, None
@@ -115,8 +145,8 @@ def _position(raw: bytes | str | None) -> store.LivePosition | None:
         return None
 
 
-async def _end_unheld(rt: Runtime, candidates: list[str], job_statuses: JobStatuses) -> int:
-    """End those of `candidates` nobody holds: no lease, and no job RQ will still run."""
+async def _end_unheld(rt: Runtime, candidates: list[str]) -> int:
+    """End those of `candidates` nobody holds: no lease, and not in the queue (Redis lost them)."""
     if not candidates:
         return 0
     async with rt.redis.pipeline(transaction=False) as pipe:
@@ -126,19 +156,16 @@ async def _end_unheld(rt: Runtime, candidates: list[str], job_statuses: JobStatu
     unleased = [rid for rid, is_leased in zip(candidates, leased, strict=True) if not is_leased]
     if not unleased:
         return 0
-    statuses = await asyncio.to_thread(job_statuses, unleased)
-    log.debug("sweep: %d live, %d unleased: %s", len(candidates), len(unleased), statuses)
+    held = await rt.queue.holds(unleased)
+    log.debug(
+        "sweep: %d live, %d unleased, %d of them held by the queue", len(candidates), len(unleased), sum(held)
+    )
     ended = 0
-    for response_id in unleased:
-        status = statuses.get(response_id)
-        if status in _HELD:
+    for response_id, is_held in zip(unleased, held, strict=True):
+        if is_held:
             continue
-        # A job RQ has no record of, or that "finished" with its row still live (Redis lost the
-        # response's keys under it), was lost; one RQ failed, stopped or cancelled was given up.
-        is_lost = status is None or status is JobStatus.FINISHED
-        message = LOST_JOB if is_lost else GIVEN_UP
-        if await end_response(rt, response_id, message):
-            log.warning("response %s: ended failed, its job being %s", response_id, status or "lost")
+        if await end_response(rt, response_id, LOST_JOB):
+            log.warning("response %s: ended failed, the queue having lost it", response_id)
             rt.metrics.orphans.inc()
             ended += 1
     return ended

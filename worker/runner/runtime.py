@@ -23,7 +23,7 @@ from worker.postgres import store
 from worker.postgres.direct import DirectPool
 from worker.postgres.keys import compaction_sealer
 from worker.protocol.compaction import Sealer
-from worker.queue import delivery_queue
+from worker.queue import ResponseQueue, delivery_queue
 from worker.routing import Routes, load_routes
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.search import DEFAULT_URLS, Searcher
@@ -33,12 +33,12 @@ from worker.webhooks import Notifier
 
 
 class RunEnd(StrEnum):
-    """How `run_response` ended, which decides what the worker tells RQ."""
+    """How `run_response` ended, which decides what the queue is told."""
 
-    FINISHED = "finished"  # the response has its terminal state (now, or from before)
-    FENCED = "fenced"  # another attempt holds it now: tell RQ nothing
+    FINISHED = "finished"  # the response has its terminal state (now, or from before): it leaves the queue
+    FENCED = "fenced"  # another attempt holds it now: tell the queue nothing
     BUSY = "busy"  # another live holder kept it past the wait
-    STOPPED = "stopped"  # this worker stopped it to shut down: requeue it
+    STOPPED = "stopped"  # this worker stopped it to shut down: back to the queue's front
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Runtime:
     stream_ttl_seconds: int
     synthetic_delay_seconds: float
     leases: Leases
+    queue: ResponseQueue  # the queue this worker takes responses from
     notifier: Notifier  # webhook deliveries, recorded with a background response's end
     direct: DirectPool  # the hot single statements (a response's start and end) on psycopg directly
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -126,6 +127,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         stream_ttl_seconds=settings.stream_ttl_seconds,
         synthetic_delay_seconds=settings.synthetic_delay_seconds,
         leases=Leases(redis, settings.lease_seconds),
+        queue=ResponseQueue(redis, settings.queue, settings.registry_seconds),
         outbound=OutboundPolicy.parse(settings.outbound_allowlist),
         tool_timeout_seconds=settings.tool_timeout_seconds,
         searcher=searcher_of(settings, routes),

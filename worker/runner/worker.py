@@ -1,11 +1,12 @@
-"""The worker process (DESIGN.md §7): an asyncio multi-execution worker on RQ's bookkeeping.
+"""The worker process (DESIGN.md §7): an asyncio multi-execution worker.
 
-RQ's own work loop runs on the main thread (so its signal handling, registration, maintenance and
-registries are RQ's). Each dequeued job becomes a coroutine on an event loop in a second thread,
-so one process holds hundreds of responses and never forks per job. The loop also runs the
-heartbeat (every lease and every RQ execution, one round trip each) and the cancel watcher.
-Webhook deliveries come from a queue of their own, popped by a third thread into the same loop,
-with slots of their own.
+Responses come from respool's own queue (worker/queue.py), taken by a task on an event loop in a
+second thread whenever one of the process's slots is free, each run as a coroutine on that loop:
+one process holds hundreds of responses and never forks per job. Webhook deliveries are RQ jobs
+on a queue of their own: RQ's work loop runs on the main thread over that queue (so its signal
+handling, registration, maintenance and registries are RQ's), handing each delivery to the same
+loop, with slots of their own. The loop also runs the heartbeat (every lease, every running
+response's deadline, every RQ execution) and the cancel watcher.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import uvloop
 from redis import Redis as SyncRedis
 from redis.exceptions import RedisError
-from rq.exceptions import DequeueTimeout, StopRequested
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -34,10 +36,10 @@ from rq.utils import now
 from rq.worker import BaseWorker
 
 from worker import logs
-from worker.connections import sync_client
+from worker.connections import blocking_client, sync_client
 from worker.keys import cancel_key, registries_lock_key
-from worker.outages import is_outage, is_redis_outage
-from worker.queue import delivery_queue, job_statuses, response_queue
+from worker.outages import is_outage, is_redis_outage, patiently
+from worker.queue import delivery_queue, job_statuses
 from worker.runner.attempt import run_response
 from worker.runner.deliveries import Deliverer, queue_due
 from worker.runner.recovery import sweep
@@ -58,13 +60,13 @@ class _Running:
 
 
 class ResponseWorker(BaseWorker):
-    """Runs up to `concurrency` responses at once on one event loop, keeping RQ's registries true."""
+    """Runs up to `concurrency` responses at once on one event loop, and webhook deliveries beside
+    them, keeping RQ's registries of the deliveries true."""
 
     def __init__(self, settings: Settings, connection: SyncRedis, concurrency: int) -> None:
-        queue = response_queue(connection, settings.queue)
         self._deliveries = delivery_queue(connection, settings.queue)
         super().__init__(
-            [queue],
+            [self._deliveries],
             connection=connection,
             serializer=JSONSerializer,
             worker_ttl=max(30, settings.registry_seconds * 3),
@@ -75,9 +77,12 @@ class ResponseWorker(BaseWorker):
         self.max_connection_wait_time = float(max(5, settings.maintenance_seconds * 2))
         self._settings = settings
         self._last_beat = self._last_suspension_check = -math.inf
-        self._slots = threading.Semaphore(concurrency)
         # Webhook deliveries have slots of their own: slow receivers never take a response's.
         self._delivery_slots = threading.Semaphore(settings.webhook_concurrency)
+        self._response_slots = asyncio.Semaphore(concurrency)
+        self._responses: dict[asyncio.Task[None], str] = {}  # every response this process runs
+        # How long a worker that stopped beating counts as alive: what it had popped goes back after.
+        self._alive_seconds = float(max(30, settings.registry_seconds * 3))
         self._running: dict[str, _Running] = {}
         # Held while a job's end is recorded and while the executions' heartbeat is sent: a
         # heartbeat that took a job as running must not land after its end (see `_ended`).
@@ -90,12 +95,12 @@ class ResponseWorker(BaseWorker):
         self._deliverer = Deliverer(settings, rt.engine, rt.redis, rt.notifier, rt.outbound, rt.metrics)
         if settings.worker_metrics_port:
             self._runtime.metrics.serve(settings.worker_metrics_port)
-        # Deliveries are popped by a thread of their own: RQ pops two queues with BLPOP, which
-        # moves no job into an intermediate list, so a job popped by a worker killed before it
-        # started would be lost. One queue per pop is a BLMOVE, which RQ's maintenance recovers.
         self._closing = threading.Event()
-        self._delivery_thread = threading.Thread(target=self._take_deliveries, name="deliveries", daemon=True)
-        self._delivery_thread.start()
+        # The queue's blocking pops wait on a connection of their own.
+        self._popper = blocking_client(
+            settings.redis_url, self.dequeue_timeout, settings.redis_timeout_seconds
+        )
+        self._taker = self._submit(self._take_responses())
         self._background = [
             self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
             self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels)),
@@ -127,13 +132,13 @@ class ResponseWorker(BaseWorker):
                     timeout, max_idle_time
                 )
             except BaseException as exc:
-                self._slots.release()
+                self._delivery_slots.release()
                 if not is_redis_outage(exc):
                     raise
                 self._wait_for_redis(exc)
                 continue
             if result is None:
-                self._slots.release()
+                self._delivery_slots.release()
             return result
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -214,12 +219,18 @@ class ResponseWorker(BaseWorker):
         log.info("worker %s ready: taking responses (SIGTERM drains)", self.name)
 
     def teardown(self) -> None:
-        """Let running responses finish (up to the drain deadline), then close the loop."""
-        self._closing.set()  # no delivery is taken from here on
-        self._delivery_thread.join(timeout=self.dequeue_timeout + 5)
+        """Stop taking, let running responses finish (up to the drain deadline), then close the loop."""
+        self._closing.set()  # nothing is taken from here on
+        self._taker.cancel()
         self._drain(self._settings.drain_seconds)
         for task in self._background:
             task.cancel()
+        try:
+            # What a pop cut short by the stop left in this worker's taking list goes back.
+            self._call(self._runtime.queue.leave(self.name))
+        except Exception as exc:
+            log.warning("could not hand back what this worker was taking (%s): the sweep will", exc)
+        self._call(self._popper.aclose())
         self._call(self._deliverer.close())
         self._call(close_runtime(self._runtime))
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -229,60 +240,69 @@ class ResponseWorker(BaseWorker):
     # Internals -----------------------------------------------------------------------------
 
     def _wait_for_slot(self) -> None:
-        while not self._slots.acquire(timeout=1.0):
+        while not self._delivery_slots.acquire(timeout=1.0):
             self.heartbeat()
             if self._stop_requested:
                 raise StopRequested()
 
-    def _take_deliveries(self) -> None:
-        """Pop the webhook queue whenever a delivery slot is free, until the worker stops."""
-        while not (self._closing.is_set() or self._stop_requested):
-            if not self._delivery_slots.acquire(timeout=1.0):
-                continue
+    async def _take_responses(self) -> None:
+        """Take a response from the queue whenever a slot is free, and run it, until the worker stops."""
+        queue = self._runtime.queue
+        # Known to the queue before taking anything: what a dead worker had taken goes back only
+        # once the queue knows of the worker.
+        await patiently(partial(queue.renew, [], self.name, self._alive_seconds), math.inf)
+        while not self._closing.is_set():
+            await self._response_slots.acquire()
             try:
-                result = Queue.dequeue_any(
-                    [self._deliveries], self.dequeue_timeout, self.connection, serializer=JSONSerializer
-                )
-            except DequeueTimeout:
-                result = None
+                response_id = await queue.take(self._popper, self.name, self.dequeue_timeout)
             except Exception as exc:
-                self._delivery_slots.release()
+                self._response_slots.release()
                 if is_outage(exc):
-                    log.warning("webhook queue unreachable (%s); waiting for it", type(exc).__name__)
+                    log.warning("the response queue is unreachable (%s); waiting for it", type(exc).__name__)
                 else:
-                    log.exception("popping the webhook queue failed; retrying")
-                self._closing.wait(self._settings.maintenance_seconds)
+                    log.exception("taking from the response queue failed; retrying")
+                await asyncio.sleep(self._settings.maintenance_seconds)
                 continue
-            if result is None:
-                self._delivery_slots.release()
+            if response_id is None:
+                self._response_slots.release()
                 continue
+            task = self._loop.create_task(self._run(response_id))
+            self._responses[task] = response_id
+            task.add_done_callback(self._responses.pop)
+
+    async def _run(self, response_id: str) -> None:
+        try:
+            await run_response(self._runtime, response_id)
+        except Exception:
+            log.exception("response %s: its run failed", response_id)
+            # One that could not even start (Redis unreachable past the wait) is still in this
+            # worker's taking list: back to the queue with it, or the sweep would never see it.
             try:
-                self._start(*result)
+                await patiently(
+                    partial(self._runtime.queue.hand_back, response_id, self.name),
+                    self._settings.database_wait_seconds,
+                )
             except Exception:
-                # Left in the intermediate list: RQ's maintenance hands it back (DESIGN.md §12).
-                self._delivery_slots.release()
-                log.exception("delivery %s: starting it failed", result[0].id)
+                log.exception("response %s: could not put it back in the queue", response_id)
+        finally:
+            self._response_slots.release()
 
     async def _perform(self, job: Job, queue: Queue, execution: Execution) -> None:
-        is_delivery = queue.name == self._deliveries.name
+        """Run a webhook delivery (an RQ job), and record its end with RQ."""
         try:
-            if is_delivery:
-                await self._deliverer.deliver(job.id)
-                end = RunEnd.FINISHED
-            else:
-                end = await run_response(self._runtime, job.id)
+            await self._deliverer.deliver(job.id)
         except BaseException:
             exc_info = sys.exc_info()
-            log.exception("response %s: the job failed", job.id)
+            log.exception("delivery %s: the job failed", job.id)
             await asyncio.to_thread(self._ended, job, self._finalize_failure, job, queue, execution, exc_info)
         else:
             try:
-                await asyncio.to_thread(self._ended, job, self._finalize, end, job, queue, execution)
+                await asyncio.to_thread(self._ended, job, self._finish, job, execution)
             except Exception:
-                log.exception("response %s: recording how its run ended (%s) with RQ failed", job.id, end)
+                log.exception("delivery %s: recording its end with RQ failed", job.id)
         finally:
             self._running.pop(job.id, None)
-            (self._delivery_slots if is_delivery else self._slots).release()
+            self._delivery_slots.release()
 
     def _ended(self, job: Job, record: Callable[..., None], *args: Any) -> None:
         """Write a job's end with `record` and take it out of those running, while no executions'
@@ -294,25 +314,6 @@ class ResponseWorker(BaseWorker):
                 record(*args)
             finally:
                 self._running.pop(job.id, None)
-
-    def _finalize(self, end: RunEnd, job: Job, queue: Queue, execution: Execution) -> None:
-        """Tell RQ how the run ended (DESIGN.md §4)."""
-        if end is RunEnd.FENCED:
-            # Another attempt runs the job now: drop only this execution, so it never expires into
-            # an "abandoned" job that RQ would retry under the live attempt; the job's status is theirs.
-            with self.connection.pipeline() as pipe:
-                self.cleanup_execution(job, pipeline=pipe, execution=execution)
-                pipe.execute()
-        elif end is RunEnd.STOPPED:
-            # Queued first: should this process die in between, the execution left behind expires
-            # onto a job that is QUEUED, which RQ's maintenance leaves alone.
-            queue.enqueue_job(job, at_front=True)
-            with self.connection.pipeline() as pipe:
-                self.cleanup_execution(job, pipeline=pipe, execution=execution)
-                pipe.execute()
-            log.info("response %s: requeued for another worker", job.id)
-        else:
-            self._finish(job, execution)
 
     def _finish(self, job: Job, execution: Execution) -> None:
         """RQ's records of a job that ran to its end, in one round trip: those RQ's
@@ -351,10 +352,11 @@ class ResponseWorker(BaseWorker):
                     log.exception("periodic %s failed; retrying", action.__name__)
 
     async def _heartbeat(self) -> None:
-        """Renew every lease, every RQ execution and the worker's own key (DESIGN.md §4).
+        """Renew every lease, every running response's deadline, the worker's own, and every RQ
+        execution of a delivery (DESIGN.md §4).
 
         A lease found lost (this worker was frozen past its TTL, and the response may run elsewhere
-        now) stops its attempt at once, and its RQ execution is no longer kept alive.
+        now) stops its attempt at once, and its deadline is no longer renewed.
         """
         held = self._runtime.held
         lost = await self._runtime.leases.renew(list(held.values()))
@@ -364,22 +366,23 @@ class ResponseWorker(BaseWorker):
             log.warning("response %s: lease lost (attempt %d); stopping it", lease.response_id, lease.attempt)
             self._runtime.interrupt(lease.response_id, RunEnd.FENCED)
         fenced = {lease.response_id for lease in lost} | set(self._runtime.interrupted)
-        await asyncio.to_thread(self._heartbeat_executions, fenced)
+        kept = [response_id for response_id in held if response_id not in fenced]
+        await self._runtime.queue.renew(kept, self.name, self._alive_seconds)
+        if self._running:  # deliveries under way (RQ's loop beats the worker's own key)
+            await asyncio.to_thread(self._heartbeat_executions)
 
-    def _heartbeat_executions(self, fenced: set[str]) -> None:
+    def _heartbeat_executions(self) -> None:
         ttl = self._settings.registry_seconds
         with self._records, self.connection.pipeline() as pipe:
             self.heartbeat(pipeline=pipe)
             for running in list(self._running.values()):
-                if running.job.id in fenced:
-                    continue
                 running.execution.heartbeat(running.job.started_job_registry, ttl, pipeline=pipe)
                 running.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
             pipe.execute()
 
     async def _sweep(self) -> None:
         """End responses nobody runs any more, and drop stored ones past retention (worker/runner/recovery.py)."""
-        await sweep(self._runtime, self._settings, self._queue_statuses)
+        await sweep(self._runtime, self._settings)
         lock_ms = int(self._settings.maintenance_seconds * 1000)
         if await self._runtime.redis.set(
             registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
@@ -393,16 +396,13 @@ class ResponseWorker(BaseWorker):
         )
 
     def _clean_registries(self) -> None:
-        """RQ's handling of abandoned jobs (those whose worker died: retried, or failed when no retry
-        is left), under a lock of respool's that lapses with the maintenance period. RQ's own runs
-        under a lock that lives 15 minutes, which a worker killed while holding it leaves behind: no
-        response of its queue would be taken over meanwhile."""
-        for queue in (*self.queues, self._deliveries):
-            queue.started_job_registry.cleanup(exception_handlers=self._exc_handlers)
-            queue.intermediate_queue.cleanup(self, queue)
-
-    def _queue_statuses(self, response_ids: list[str]) -> dict[str, JobStatus | None]:
-        return job_statuses(self.queues[0], response_ids)
+        """RQ's handling of abandoned delivery jobs (those whose worker died: retried, or failed when
+        no retry is left), under a lock of respool's that lapses with the maintenance period. RQ's
+        own runs under a lock that lives 15 minutes, which a worker killed while holding it leaves
+        behind: no delivery of its queue would be taken over meanwhile."""
+        queue = self._deliveries
+        queue.started_job_registry.cleanup(exception_handlers=self._exc_handlers)
+        queue.intermediate_queue.cleanup(self, queue)
 
     def _delivery_statuses(self, delivery_ids: Sequence[str]) -> dict[str, JobStatus | None]:
         return job_statuses(self._deliveries, list(delivery_ids))
@@ -421,19 +421,37 @@ class ResponseWorker(BaseWorker):
                 self._runtime.request_cancel(response_id)
 
     def _drain(self, seconds: float) -> None:
-        """Let running responses finish for up to `seconds`, then stop the rest and requeue them
-        at the front of the queue, their leases released (DESIGN.md §4, "Graceful stop")."""
-        futures = [running.future for running in list(self._running.values())]
-        if futures:
-            log.info("draining %d running responses (up to %.0f s)", len(futures), seconds)
-            concurrent.futures.wait(futures, timeout=seconds)
-        left = list(self._running.values())
-        if not left:
+        """Let running responses and deliveries finish for up to `seconds`, then stop the responses
+        left and put them back at the front of the queue, their leases released (DESIGN.md §4,
+        "Graceful stop")."""
+        deadline = time.monotonic() + seconds
+        deliveries = [running.future for running in list(self._running.values())]
+        if deliveries or self._responses:
+            log.info(
+                "draining %d running responses and %d deliveries (up to %.0f s)",
+                len(self._responses), len(deliveries), seconds,
+            )  # fmt: skip
+            self._call(self._settle(seconds))
+            concurrent.futures.wait(deliveries, timeout=max(0.0, deadline - time.monotonic()))
+        if not self._responses:
             return
-        log.info("stopping %d responses still running; they go back to the queue", len(left))
-        for running in left:
-            self._loop.call_soon_threadsafe(self._runtime.interrupt, running.job.id, RunEnd.STOPPED)
-        concurrent.futures.wait([running.future for running in left], timeout=10)
+        log.info("stopping %d responses still running; they go back to the queue", len(self._responses))
+        self._call(self._stop_responses())
+
+    async def _settle(self, seconds: float) -> None:
+        if self._responses:
+            await asyncio.wait(list(self._responses), timeout=seconds)
+
+    async def _stop_responses(self) -> None:
+        """Stop every response still running (each goes back to the queue) and wait for them, up to
+        10 s; one still taking its lease is cancelled (past its deadline the sweep puts it back)."""
+        for task, response_id in list(self._responses.items()):
+            if response_id in self._runtime.running:
+                self._runtime.interrupt(response_id, RunEnd.STOPPED)
+            else:
+                task.cancel()
+        if self._responses:
+            await asyncio.wait(list(self._responses), timeout=10)
 
     def _submit(self, coroutine: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

@@ -8,11 +8,9 @@ lease of the API's own, so the stream's writer is always one.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
-from rq import Queue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.events.lease import Leases
@@ -22,7 +20,7 @@ from worker.ids import new_id
 from worker.keys import cancel_key
 from worker.postgres import store
 from worker.protocol.response import Status
-from worker.queue import remove_queued
+from worker.queue import ResponseQueue
 from worker.settings import Settings
 from worker.webhooks import Notifier
 
@@ -38,7 +36,7 @@ class Cancellation:
         engine: AsyncEngine,
         autocommit: AsyncEngine,
         redis: Redis,
-        queue: Queue,
+        queue: ResponseQueue,
         notifier: Notifier,
     ) -> None:
         self.settings = settings
@@ -79,7 +77,7 @@ class Cancellation:
         """Reach whoever holds a cancelled response: the flag stops a worker running it; a job still
         queued is removed and its stream ended here (on a retry, whether or not it was queued)."""
         await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
-        if await asyncio.to_thread(remove_queued, self.queue, response_id) or is_retry:
+        if await self.queue.remove_queued(response_id) or is_retry:
             await self.end_stream(response_id, cancelled)
 
     async def end_stream(self, response_id: str, response: dict[str, Any]) -> None:

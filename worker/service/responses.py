@@ -19,7 +19,6 @@ import orjson
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from rq import Queue
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -53,7 +52,7 @@ from worker.protocol.conversations import conversation_id
 from worker.protocol.items import check_tool_outputs, normalize_input, page
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
-from worker.queue import delete_job, delivery_queue, enqueue, response_queue
+from worker.queue import ResponseQueue, delivery_queue
 from worker.routing import Route, Routes, load_routes
 from worker.service import chains
 from worker.service.cancellation import Cancellation
@@ -101,7 +100,8 @@ class ResponseService:
         self.autocommit = store.single_statements(engine)  # for one-statement work
         self.direct = direct  # the hot single statements (a create's insert, a poll's read)
         self.redis = redis
-        self.queue: Queue = response_queue(sync_redis, settings.queue)
+        self.queue = ResponseQueue(redis, settings.queue, settings.registry_seconds)
+        self.sync_redis = sync_redis  # RQ's: it builds the deliveries' enqueue commands
         self.routes: Routes = load_routes(settings)
         # A finished response's terminal event is waited for past its writer's lease (see `follow`).
         finishing = settings.lease_seconds + 5
@@ -140,7 +140,7 @@ class ResponseService:
         await self.direct.close()
         await self.http.aclose()
         await self.redis.aclose()
-        self.queue.connection.close()
+        self.sync_redis.close()
 
     # Create ----------------------------------------------------------------------------------
 
@@ -290,7 +290,7 @@ class ResponseService:
 
     async def queue_depth(self) -> int:
         """How many responses wait in the queue for a worker."""
-        return int(await self.redis.llen(self.queue.key))
+        return await self.queue.depth()
 
     async def _check_queue_depth(self) -> None:
         """Refuse new work while the queue is over its limit, before anything is recorded."""
@@ -312,7 +312,7 @@ class ResponseService:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
             kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
-            await enqueue(self.redis, self.queue, response["id"], first, self.settings.max_attempts, kept)
+            await self.queue.enqueue(response["id"], first, kept)
         except RedisError as exc:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
@@ -543,7 +543,7 @@ class ResponseService:
         # Redis first: if it is down, nothing is deleted yet and the SDK's retry finds the row.
         # Deleting the lease fences out a worker still running it: it can write nothing more.
         await self.redis.delete(*response_keys(response_id))
-        await asyncio.to_thread(delete_job, self.queue, response_id)
+        await self.queue.forget(response_id)
         async with self.engine.begin() as conn:
             await store.delete_response(conn, response_id, owner)
         return {"id": response_id, "object": "response", "deleted": True}

@@ -12,7 +12,6 @@ import openai
 import psutil
 import pytest
 from redis import Redis
-from rq.intermediate_queue import IntermediateQueue
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
@@ -27,9 +26,10 @@ from tests.support.faults import (
     wait_until_ended,
     worker_name,
 )
+from tests.support.queue import QueueView
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
-from worker.keys import events_key
+from worker.keys import events_key, workers_key
 from worker.runner.attempt import WORKER_LOST
 from worker.runner.recovery import GIVEN_UP
 
@@ -230,18 +230,15 @@ def test_a_drain_deadline_requeues_what_is_left(lab: Lab) -> None:
 def test_a_response_whose_workers_keep_dying_is_given_up(lab: Lab) -> None:
     """After max_attempts workers died under it, the sweep ends the response failed instead of leaving it live."""
     lab.upstream.script(lab.model, {"first_delay": 300, "text": "never"})
-    lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "1"  # read where the job is enqueued: by an API of its own
-    try:
-        url = lab.stack.start_api("api-one-attempt")
-    finally:
-        lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "3"
-    lab.workers.append("api-one-attempt")
-    with make_sdk(url, "unused") as once:
-        created = lab.create(lab.model, 1, once)
+    created = lab.create(lab.model, 1)
     victim = lab.start("victim")
     lab.held_by(created, victim)
     signal_process(lab.stack, "victim", KILL)
-    lab.start("sweeper")
+    lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "1"  # read by the sweep, in the workers
+    try:
+        lab.start("sweeper")
+    finally:
+        lab.stack.env["RESPOOL_MAX_ATTEMPTS"] = "3"
     assert wait_until_ended(lab.sdk, created, timeout=90) == {created[0]: "failed"}
     stored = check_ended(lab.sdk, created[0])
     assert stored["error"]["message"] == GIVEN_UP
@@ -332,10 +329,10 @@ def _on_conversation(backing: Servers, conversation_id: str) -> list[str]:
 
 
 def test_a_worker_killed_inside_rqs_registry_cleaning_does_not_stall_takeovers(lab: Lab) -> None:
-    """RQ cleans a queue's registries under a lock that lives 15 minutes and is released when the
-    cleaning ends: a worker killed -9 inside it leaves the lock behind (as a stale key here). Its
-    responses are still taken over within seconds: respool handles abandoned jobs under a lock of
-    its own, which lapses with the maintenance period."""
+    """RQ cleans a queue's registries (those of the webhook deliveries' queue now) under a lock that
+    lives 15 minutes and is released when the cleaning ends: a worker killed -9 inside it leaves the
+    lock behind (as a stale key here). Its responses are still taken over within seconds: neither
+    RQ's lock nor its registries stand between a dead worker's responses and the next worker."""
     talking = f"{lab.model}-stale-lock"
     text = " ".join(f"w{n}" for n in range(40))
     lab.upstream.script(talking, {"text": text, "delay": 0.1})
@@ -362,12 +359,12 @@ def _blocked_pops(redis: Redis, pid: int) -> int:
     )
 
 
-def test_a_job_popped_by_a_worker_killed_before_it_started_it_is_run(lab: Lab) -> None:
-    """A worker frozen while both its pops (responses, webhooks) wait is handed a job anyway (Redis
-    serves a blocking pop on its side), and is killed -9 before it starts it. The job is in RQ's
-    intermediate list, not lost: the survivor's maintenance hands it back once RQ's minute has passed
-    (aged here: that is time) and the response completes."""
-    lab.start("doomed")
+def test_a_response_popped_by_a_worker_killed_before_it_started_it_is_run(lab: Lab) -> None:
+    """A worker frozen while both its pops (responses, webhooks) wait is handed a response anyway
+    (Redis serves a blocking pop on its side), and is killed -9 before it starts it. The response is
+    in the worker's taking list, not lost: once the worker's time is past (aged here: that is time),
+    the survivor's sweep puts it back and it completes."""
+    doomed = lab.start("doomed")
     pid = lab.stack.processes["doomed"].pid
 
     def frozen_while_popping() -> bool:
@@ -380,11 +377,12 @@ def test_a_job_popped_by_a_worker_killed_before_it_started_it_is_run(lab: Lab) -
 
     wait_for(frozen_while_popping, timeout=30, what="the worker frozen inside both its blocking pops")
     (response_id,) = lab.create(lab.model, 1)
-    queue = IntermediateQueue(f"rq:queue:{lab.stack.env['RESPOOL_QUEUE']}", lab.redis)
-    wait_for(lambda: response_id in queue.get_job_ids(), what="the job popped by the frozen worker")
+    queue = QueueView(lab.redis, lab.stack.env["RESPOOL_QUEUE"])
+    wait_for(lambda: queue.taking(doomed) == [response_id], what="the response popped by the frozen worker")
     signal_process(lab.stack, "doomed", KILL)
     lab.start("survivor")
-    wait_for(lambda: lab.redis.exists(queue.get_first_seen_key(response_id)), what="RQ to note the job")
-    lab.redis.set(queue.get_first_seen_key(response_id), time.time() - 120)
+    assert doomed in queue.workers()
+    lab.redis.zadd(workers_key(queue.name), {doomed: 1000})  # its time long past
     statuses = wait_until_ended(lab.sdk, [response_id], timeout=60)
     assert statuses == {response_id: "completed"}
+    assert doomed not in queue.workers() and queue.taking(doomed) == []

@@ -1,7 +1,8 @@
 """The sweep (worker/runner/recovery.py) on real Redis and Postgres: every in-progress row is looked at in
 each sweep, so an orphan is ended even behind many held ones; queued rows, a backlog of any depth,
 are paged through a bounded number of pages per sweep, from where the last sweep stopped, starting
-over after the newest.
+over after the newest. Responses whose holder missed its deadline are put back in the queue, or
+given up after their last attempt; what a dead worker had popped goes back.
 
 On a database of its own: the session's database has other stacks' workers sweeping it, which
 would end the orphans first (and the counts these tests assert would be theirs)."""
@@ -21,19 +22,18 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from redis import Redis
-from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
+from tests.support.queue import QueueView
 from tests.support.stack import Servers, fresh_database
 from tests.support.webhook_receiver import Receiver
 from worker.errors import ConfigError
+from worker.keys import attempt_key, held_key, lease_key, queue_key, taking_key, workers_key
 from worker.postgres import deliveries
 from worker.postgres.store import async_url
-from worker.queue import job_statuses, response_queue
 from worker.runner.deliveries import Deliverer
-from worker.runner.recovery import end_orphans
+from worker.runner.recovery import GIVEN_UP, end_orphans, take_back
 from worker.runner.runtime import close_runtime, open_runtime
 from worker.settings import Settings
 
@@ -56,25 +56,18 @@ def settings(backing: Servers, database: str) -> Settings:
 
 
 @pytest.fixture
-def held(backing: Servers, settings: Settings) -> Iterator[list[str]]:
-    """HELD response ids whose jobs RQ holds (queued: it will run them)."""
-    ids = [f"resp_{settings.queue.replace('-', '')}held{index}" for index in range(HELD)]
+def redis(backing: Servers) -> Iterator[Redis]:
     with Redis.from_url(backing.redis_url) as connection:
-        jobs = [
-            Job.create(
-                "builtins.print",
-                id=response_id,
-                connection=connection,
-                serializer=JSONSerializer,
-                status=JobStatus.QUEUED,
-            )
-            for response_id in ids
-        ]
-        for job in jobs:
-            job.save()
-        yield ids
-        for job in jobs:
-            job.delete()
+        yield connection
+
+
+@pytest.fixture
+def held(redis: Redis, settings: Settings) -> Iterator[list[str]]:
+    """HELD response ids the queue holds (waiting: a worker will run them)."""
+    ids = [f"resp_{settings.queue.replace('-', '')}held{index}" for index in range(HELD)]
+    redis.zadd(held_key(settings.queue), dict.fromkeys(ids, float("inf")))
+    yield ids
+    redis.delete(held_key(settings.queue))
 
 
 def _insert_live(database_url: str, status: str, response_ids: list[str], oldest: int = 120) -> None:
@@ -109,21 +102,19 @@ def _statuses(database_url: str, response_ids: list[str]) -> dict[str, str]:
 
 async def _sweep(backing: Servers, settings: Settings, pages: int) -> int:
     """One pass of end_orphans in pages of 2; the number it ended."""
-    with Redis.from_url(backing.redis_url) as connection:
-        queue = response_queue(connection, settings.queue)
-        rt = await open_runtime(settings, f"test:{settings.queue}", 1)
-        try:
-            return await end_orphans(rt, settings, lambda ids: job_statuses(queue, ids), batch=2, pages=pages)
-        finally:
-            await close_runtime(rt)
+    rt = await open_runtime(settings, f"test:{settings.queue}", 1)
+    try:
+        return await end_orphans(rt, settings, batch=2, pages=pages)
+    finally:
+        await close_runtime(rt)
 
 
 @pytest.mark.parametrize("status", ["queued", "in_progress"])
 async def test_an_orphan_behind_held_responses_is_ended(
     backing: Servers, settings: Settings, held: list[str], status: str
 ) -> None:
-    """Pages of 2: the 5 oldest rows are held by RQ (left alone); the orphan after them, whose job
-    RQ no longer has, is ended failed in one sweep."""
+    """Pages of 2: the 5 oldest rows are held by the queue (left alone); the orphan after them,
+    which the queue no longer holds, is ended failed in one sweep."""
     orphan = f"{held[0]}orphan"
     _insert_live(settings.database_url, status, [*held, orphan])
     assert await _sweep(backing, settings, pages=4) == 1
@@ -162,25 +153,65 @@ async def test_in_progress_orphans_are_all_ended_in_one_sweep_whatever_the_queue
     assert _statuses(settings.database_url, in_progress) == dict.fromkeys(in_progress, "failed")
 
 
-async def test_a_job_record_rq_cannot_read_holds_nothing_and_stops_no_sweep(
-    backing: Servers, settings: Settings, held: list[str]
+async def test_responses_past_their_deadline_are_put_back_or_given_up(
+    redis: Redis, settings: Settings
 ) -> None:
-    """An orphan whose job hash holds one stray field (no job RQ could read) is ended with the
-    orphan behind it, and the held responses beside them are left alone: a record RQ cannot read
-    does not stop the sweep at it, sweep after sweep."""
-    garbled, orphan = f"{held[0]}garbled", f"{held[0]}orphan"
-    _insert_live(settings.database_url, "in_progress", [*held, garbled, orphan])
-    with Redis.from_url(backing.redis_url) as connection:
-        connection.hset(Job.key_for(garbled), "last_heartbeat", "2026-11-24T15:22:26.403663Z")
-        try:
-            assert await _sweep(backing, settings, pages=4) == 2
-        finally:
-            connection.delete(Job.key_for(garbled))
-    assert _statuses(settings.database_url, [*held, garbled, orphan]) == {
-        **dict.fromkeys(held, "in_progress"),
-        garbled: "failed",
-        orphan: "failed",
-    }
+    """Running responses whose holder missed its deadline: one still leased (a late heartbeat) gets
+    a new deadline; unleased ones go back to the front of the queue, as waiting, unless they have run
+    `max_attempts` times: that one is ended failed, saying so, and leaves the queue. One within its
+    deadline, and waiting ones, are left alone."""
+    prefix = f"resp_{settings.queue.replace('-', '')}"
+    late, abandoned, spent, on_time, waiting = (
+        f"{prefix}{name}" for name in ("late", "gone", "spent", "ontime", "wait")
+    )
+    _insert_live(settings.database_url, "in_progress", [late, abandoned, spent, on_time])
+    queue = QueueView(redis, settings.queue)
+    past = 1000.0  # ms since the epoch: long past
+    redis.zadd(
+        held_key(settings.queue),
+        {late: past, abandoned: past, spent: past, on_time: 1e15, waiting: float("inf")},
+    )
+    redis.rpush(queue_key(settings.queue), waiting)
+    redis.set(lease_key(late), "1:someone", px=60_000)
+    redis.set(attempt_key(abandoned), settings.max_attempts - 1)
+    redis.set(attempt_key(spent), settings.max_attempts)
+    rt = await open_runtime(settings, f"test:{settings.queue}", 1)
+    try:
+        assert await take_back(rt, settings.max_attempts) == 1
+    finally:
+        await close_runtime(rt)
+    assert queue.waiting() == [abandoned, waiting]
+    held = queue.held()
+    assert held[abandoned] == float("inf") and held[waiting] == float("inf")
+    assert held[late] > past and held[on_time] == 1e15
+    assert spent not in held
+    assert _statuses(settings.database_url, [late, abandoned, spent, on_time]) == {
+        late: "in_progress", abandoned: "in_progress", spent: "failed", on_time: "in_progress"
+    }  # fmt: skip
+    engine = create_engine(async_url(settings.database_url), poolclass=NullPool)
+    with engine.connect() as conn:
+        failed = conn.execute(text("SELECT response FROM response WHERE id = :id"), {"id": spent}).one()
+    assert failed.response["error"]["message"] == GIVEN_UP
+
+
+async def test_what_a_dead_worker_popped_goes_back_to_the_front(redis: Redis, settings: Settings) -> None:
+    """A worker that stopped beating (its time in the workers' set is past) had popped two responses
+    and leased neither: both go back to the front of the queue, in their order, and the worker
+    leaves the set. A live worker's taking list is left alone."""
+    prefix = f"resp_{settings.queue.replace('-', '')}"
+    queue = QueueView(redis, settings.queue)
+    redis.rpush(queue_key(settings.queue), f"{prefix}next")
+    redis.rpush(taking_key(settings.queue, "dead"), f"{prefix}a", f"{prefix}b")
+    redis.rpush(taking_key(settings.queue, "alive"), f"{prefix}c")
+    redis.zadd(workers_key(settings.queue), {"dead": 1000, "alive": 1e15})
+    rt = await open_runtime(settings, f"test:{settings.queue}", 1)
+    try:
+        await take_back(rt, settings.max_attempts)
+    finally:
+        await close_runtime(rt)
+    assert queue.waiting() == [f"{prefix}a", f"{prefix}b", f"{prefix}next"]
+    assert queue.taking("dead") == [] and queue.taking("alive") == [f"{prefix}c"]
+    assert queue.workers() == {"alive"}
 
 
 async def test_an_orphan_the_sweep_ends_tells_its_owner_once(

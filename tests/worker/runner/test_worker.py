@@ -1,4 +1,4 @@
-"""The worker process: many responses at once on one event loop, with RQ's registries kept true."""
+"""The worker process: many responses at once on one event loop, the queue's records kept true."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ from pathlib import Path
 import openai
 import pytest
 from redis import Redis
-from rq import Queue, Worker
-from rq.job import Job, JobStatus
-from rq.registry import FinishedJobRegistry, StartedJobRegistry
-from rq.results import Result
-from rq.serializers import JSONSerializer
+from rq.job import Job
 
 from tests.conftest import make_sdk, own_stack
-from tests.support.faults import wait_until_ended
+from tests.support.faults import lease_holders, wait_until_ended, worker_name
+from tests.support.queue import QueueView
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.webhook_receiver import Receiver
@@ -33,9 +30,10 @@ def test_one_worker_holds_200_responses_at_once(
     upstream: ScriptedUpstream,
     stack: Stack,
     model: str,
-    rq_queue: Callable[[Stack], Queue],
+    queue_view: Callable[[Stack], QueueView],
 ) -> None:
-    """One worker process streams 200 responses concurrently from a slow upstream, and RQ shows them running."""
+    """One worker process streams 200 responses concurrently from a slow upstream; the queue holds
+    them as running (with a deadline), each leased by that worker, and lets them go as they end."""
     upstream.script(model, {"text": " ".join(["slow"] * 12), "delay": 0.5})
     with ThreadPoolExecutor(16) as pool:
         created = list(
@@ -44,29 +42,16 @@ def test_one_worker_holds_200_responses_at_once(
             )
         )
     assert upstream.stats(until_active=HELD, timeout=60)["active"] == HELD
-    queue = rq_queue(stack)
-    running = set(StartedJobRegistry(queue=queue).get_job_ids())
-    assert {response.id for response in created} <= running
-    finished = FinishedJobRegistry(queue=queue)
-    wait_for(
-        lambda: {r.id for r in created} <= set(finished.get_job_ids()),
-        timeout=90,
-        what="all 200 jobs finished",
-    )
+    queue = queue_view(stack)
+    ids = {response.id for response in created}
+    assert ids <= queue.running()
+    assert not ids & set(queue.waiting())
+    holder = worker_name(queue.redis, stack, "worker")
+    assert set(lease_holders(queue.redis, sorted(ids)).values()) == {holder}
+    wait_for(lambda: not ids & set(queue.held()), timeout=90, what="all 200 responses out of the queue")
     statuses = {client.responses.retrieve(response.id).status for response in created}
     assert statuses == {"completed"}
-
-
-def test_jobs_name_the_job_function_by_a_path_every_release_resolves() -> None:
-    """RQ keeps a job's function as a dotted path: new jobs, and jobs queued before the runner was a
-    package, name `worker.runner.run_job`, which resolves to the job function."""
-    from rq.utils import import_attribute
-
-    from worker.queue import JOB_FUNCTION
-    from worker.runner.attempt import run_job
-
-    assert JOB_FUNCTION == "worker.runner.run_job"
-    assert import_attribute(JOB_FUNCTION) is run_job
+    assert queue.taking(holder) == []
 
 
 def test_responses_that_end_while_their_leases_are_renewed_are_not_told_lost(
@@ -95,35 +80,25 @@ def test_responses_that_end_while_their_leases_are_renewed_are_not_told_lost(
         running.stop_all()
 
 
-def test_a_response_that_ended_leaves_the_records_rq_would(
+def test_a_response_leaves_no_record_in_the_queue_once_it_ended(
     client: openai.OpenAI,
     upstream: ScriptedUpstream,
     stack: Stack,
     model: str,
-    rq_queue: Callable[[Stack], Queue],
+    queue_view: Callable[[Stack], QueueView],
 ) -> None:
-    """The worker writes a finished job's RQ records itself, in one round trip: the job finished
-    with a successful result, in the finished registry, out of the started one, with no execution
-    left, and the worker's count of successful jobs up by one."""
-    upstream.script(model, {"text": "done"})
-    queue = rq_queue(stack)
-    wait_for(lambda: Worker.all(queue=queue), timeout=30, what="the worker registered with RQ")
-    workers = Worker.all(queue=queue)
-    before = sum(worker.successful_job_count for worker in workers)
+    """A response waits in the queue, is held while it runs, and once it ended nothing of it is
+    left in the queue (nor any RQ job of it: responses are no RQ jobs); its lease is given back."""
+    queue = queue_view(stack)
+    upstream.script(model, {"text": "done", "first_delay": 1.0})
     response = client.responses.create(model=model, input="x", background=True)
-    job = Job.fetch(response.id, connection=queue.connection, serializer=JSONSerializer)
-    wait_for(lambda: job.get_status(refresh=True) == JobStatus.FINISHED, timeout=30, what="the job finished")
+    wait_for(lambda: response.id in queue.running(), timeout=30, what="the response taken")
+    wait_until_ended(client, [response.id], timeout=30)
     assert client.responses.retrieve(response.id).status == "completed"
-    assert response.id in FinishedJobRegistry(queue=queue).get_job_ids()
-    assert response.id not in StartedJobRegistry(queue=queue).get_job_ids()
-    result = job.latest_result()
-    assert result is not None and result.type == Result.Type.SUCCESSFUL
-    job.refresh()
-    assert job.ended_at is not None and job.started_at is not None and job.ended_at >= job.started_at
-    assert job.get_executions() == []
-    for worker in workers:
-        worker.refresh()
-    assert sum(worker.successful_job_count for worker in workers) == before + 1
+    wait_for(lambda: response.id not in queue.held(), timeout=10, what="the response out of the queue")
+    assert response.id not in queue.waiting()
+    assert lease_holders(queue.redis, [response.id]) == {response.id: None}
+    assert not queue.redis.exists(Job.key_for(response.id))
 
 
 def test_deliveries_ending_while_executions_are_renewed_leave_no_job_records(

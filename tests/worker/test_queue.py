@@ -1,0 +1,182 @@
+"""respool's response queue (worker/queue.py) on real Redis: what each step leaves in the queue's
+keys, and the leases it takes and gives back."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.stack import Servers
+from worker.connections import blocking_client
+from worker.events.lease import Leases
+from worker.events.stream import encode, read_events
+from worker.keys import held_key, lease_key, queue_key, secrets_key, taking_key, workers_key
+from worker.queue import ResponseQueue
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def queue(redis: Redis) -> AsyncIterator[ResponseQueue]:
+    name = f"test-queue-{uuid.uuid4().hex[:8]}"
+    yield ResponseQueue(redis, name, deadline_seconds=8.0)
+    keys = [
+        queue_key(name),
+        held_key(name),
+        workers_key(name),
+        taking_key(name, "w1"),
+        taking_key(name, "w2"),
+    ]
+    await redis.delete(*keys)
+
+
+@pytest.fixture
+async def popper(backing: Servers) -> AsyncIterator[Redis]:
+    client = blocking_client(backing.redis_url, 1.0, 5.0)
+    yield client
+    await client.aclose()
+
+
+def _ids(count: int) -> list[str]:
+    return [f"resp_q{uuid.uuid4().hex[:12]}" for _ in range(count)]
+
+
+async def _waiting(redis: Redis, queue: ResponseQueue) -> list[str]:
+    return [raw.decode() for raw in await redis.lrange(queue.key, 0, -1)]
+
+
+async def _held(redis: Redis, queue: ResponseQueue) -> dict[str, float]:
+    return {raw.decode(): score for raw, score in await redis.zrange(queue.held, 0, -1, withscores=True)}
+
+
+async def test_an_enqueued_response_waits_with_its_first_events_and_secrets(
+    redis: Redis, queue: ResponseQueue
+) -> None:
+    (rid,) = _ids(1)
+    first = [encode({"type": "response.created"}, 0), encode({"type": "response.queued"}, 1)]
+    await queue.enqueue(rid, first, (b"sealed", 60))
+    assert await _waiting(redis, queue) == [rid]
+    assert await _held(redis, queue) == {rid: math.inf}
+    assert [event.type for event in await read_events(redis, rid)] == ["response.created", "response.queued"]
+    assert await redis.get(secrets_key(rid)) == b"sealed" and 0 < await redis.ttl(secrets_key(rid)) <= 60
+    assert await queue.depth() == 1
+    await redis.delete(secrets_key(rid), f"respool:{{{rid}}}:events")
+
+
+async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_list(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    first, second = _ids(2)
+    for rid in (first, second):
+        await queue.enqueue(rid, [])
+    assert await queue.take(popper, "w1", 1.0) == first  # in order
+    assert await redis.lrange(taking_key(queue.name, "w1"), 0, -1) == [first.encode()]
+    leases = Leases(redis, 6.0)
+    started = await queue.start(leases, first, "w1")
+    assert started is not None
+    lease, newest = started
+    assert (lease.attempt, newest) == (1, None)
+    assert await redis.get(lease_key(first)) == b"1:w1"
+    assert await redis.llen(taking_key(queue.name, "w1")) == 0
+    held = await _held(redis, queue)
+    assert held[second] == math.inf and not math.isinf(held[first])
+    # Another holder while the lease lives: none for it.
+    assert await queue.start(leases, first, "w2") is None
+    await queue.finished(leases, lease)
+    assert first not in await _held(redis, queue)
+    assert await redis.exists(lease_key(first)) == 0
+    assert await _waiting(redis, queue) == [second]
+    await redis.delete(f"respool:{{{first}}}:attempt")
+
+
+async def test_an_empty_queue_gives_nothing_after_the_wait(queue: ResponseQueue, popper: Redis) -> None:
+    assert await queue.take(popper, "w1", 0.1) is None
+
+
+async def test_a_stopped_response_goes_back_to_the_front_and_its_lease_is_given_back(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    stopped, behind = _ids(2)
+    await queue.enqueue(stopped, [])
+    assert await queue.take(popper, "w1", 1.0) == stopped
+    leases = Leases(redis, 6.0)
+    started = await queue.start(leases, stopped, "w1")
+    assert started is not None
+    await queue.enqueue(behind, [])
+    await queue.put_back(leases, started[0])
+    assert await _waiting(redis, queue) == [stopped, behind]
+    assert (await _held(redis, queue))[stopped] == math.inf
+    assert await redis.exists(lease_key(stopped)) == 0
+    await redis.delete(f"respool:{{{stopped}}}:attempt")
+
+
+async def test_only_a_response_still_waiting_can_be_removed(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    waiting, taken = _ids(2)
+    await queue.enqueue(taken, [])
+    await queue.enqueue(waiting, [])
+    assert await queue.take(popper, "w1", 1.0) == taken
+    assert await queue.remove_queued(waiting) is True
+    assert await queue.remove_queued(taken) is False  # a worker has it: its cancel flag stops it
+    assert await queue.remove_queued(waiting) is False
+    assert await _waiting(redis, queue) == []
+    assert await _held(redis, queue) == {taken: math.inf}
+
+
+async def test_renewal_keeps_only_what_the_queue_holds_and_says_the_worker_is_alive(
+    redis: Redis, queue: ResponseQueue
+) -> None:
+    running, gone = _ids(2)
+    await redis.zadd(queue.held, {running: 1000})
+    await queue.renew([running, gone], "w1", 30.0)
+    held = await _held(redis, queue)
+    assert set(held) == {running} and held[running] > 1000  # a response that left is not brought back
+    assert await redis.zscore(queue.workers, "w1") is not None
+
+
+async def test_a_worker_that_leaves_hands_back_what_it_was_taking(redis: Redis, queue: ResponseQueue) -> None:
+    a, b, c = _ids(3)
+    await redis.rpush(queue.key, c)
+    await redis.rpush(taking_key(queue.name, "w1"), a, b)
+    await queue.renew([], "w1", 30.0)
+    await queue.leave("w1")
+    assert await _waiting(redis, queue) == [a, b, c]
+    assert await redis.zscore(queue.workers, "w1") is None
+
+
+async def test_responses_an_earlier_release_queued_as_rq_jobs_are_taken_in(
+    redis: Redis, queue: ResponseQueue
+) -> None:
+    """A rolling upgrade: ids waiting in RQ's list of the same queue name join the queue, in order,
+    after what waits there already, held as waiting; RQ's list is left empty."""
+    mine, old_a, old_b = _ids(3)
+    await queue.enqueue(mine, [])
+    await redis.rpush(f"rq:queue:{queue.name}", old_a, old_b)
+    try:
+        assert await queue.adopt() == 2
+        assert await _waiting(redis, queue) == [mine, old_a, old_b]
+        assert await _held(redis, queue) == dict.fromkeys([mine, old_a, old_b], math.inf)
+        assert await redis.exists(f"rq:queue:{queue.name}") == 0
+        assert await queue.adopt() == 0
+    finally:
+        await redis.delete(f"rq:queue:{queue.name}")
+
+
+async def test_a_response_a_worker_could_not_start_is_handed_back_once(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """Popped, then its start failed: it goes back to the front of the queue, from the worker's
+    taking list; a second hand-back (or one of a response already started) changes nothing."""
+    popped, behind = _ids(2)
+    await queue.enqueue(popped, [])
+    assert await queue.take(popper, "w1", 1.0) == popped
+    await queue.enqueue(behind, [])
+    assert await queue.hand_back(popped, "w1") is True
+    assert await queue.hand_back(popped, "w1") is False
+    assert await _waiting(redis, queue) == [popped, behind]
+    assert await redis.llen(taking_key(queue.name, "w1")) == 0
