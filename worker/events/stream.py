@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import partial
 from typing import Any, cast
 
 import orjson
@@ -23,6 +25,8 @@ from worker.errors import FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 from worker.protocol.response import TERMINAL_EVENTS
+
+log = logging.getLogger("respool.events")
 
 # One round trip's appends, of any number of responses (DESIGN.md §7). KEYS: lease, events, cancel,
 # attempt, observed of each response in turn. ARGV: for each, its lease value, how many events, how
@@ -230,8 +234,19 @@ async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
         await pipe.execute()
 
 
-# An append waiting for its round trip: its lease, events, retention (0: none) and who awaits it.
-type _Append = tuple[Lease, list[Event], int, asyncio.Future[AppendResult]]
+# What an append's round trip ends with: its result, or what it met (an error reply, an outage).
+type Outcome = AppendResult | Exception
+# An append waiting for its round trip: its lease, events, retention (0: none) and whom to tell.
+type _Append = tuple[Lease, list[Event], int, Callable[[Outcome], object]]
+
+
+def _settle(future: asyncio.Future[AppendResult], outcome: Outcome) -> None:
+    if future.done():  # its awaiting task was cancelled
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class EventLog:
@@ -260,11 +275,18 @@ class EventLog:
         With `retain_seconds`, the response's keys are kept that long from the append on (its
         final one: `expire_response` in the same step)."""
         future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((lease, events, retain_seconds, future))
+        self.submit(lease, events, retain_seconds, partial(_settle, future))
+        return await future
+
+    def submit(
+        self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Outcome], object]
+    ) -> None:
+        """`append`, without waiting: `done` is called with its outcome, from the round trip's task
+        (a writer appending a token a time needs no task or future of its own for each)."""
+        self._pending.append((lease, events, retain_seconds, done))
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
-        return await future
 
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
@@ -288,16 +310,14 @@ class EventLog:
                 results = await self._execute(batch)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
-        for (_, events, _, future), result in zip(batch, results, strict=True):
-            # Counted here, where the outcome is known, even if the awaiting task was cancelled meanwhile.
+        for (_, events, _, done), result in zip(batch, results, strict=True):
+            # Counted here, where the outcome is known, even if whoever awaited it was cancelled meanwhile.
             if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
                 self._on_append(len(events))
-            if future.done():
-                continue
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(AppendResult(int(result)))
+            try:
+                done(result if isinstance(result, Exception) else AppendResult(int(result)))
+            except Exception:  # one writer's fault must not cost the rest of the batch their outcomes
+                log.exception("telling an append's outcome failed")
 
     async def _execute(self, batch: list[_Append]) -> list[Any]:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS

@@ -5,7 +5,6 @@ under the attempt's lease (fenced), batched while an append is in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from functools import partial
@@ -15,8 +14,8 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease
-from worker.events.stream import AppendResult, Event, EventLog, encode, expire_response
-from worker.outages import patiently
+from worker.events.stream import AppendResult, Event, EventLog, Outcome, encode, expire_response
+from worker.outages import is_outage, patiently
 from worker.translation import coalesce
 
 log = logging.getLogger("respool.runner")
@@ -33,7 +32,9 @@ class ResponseWriter:
 
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
-    per batch, not per chunk. `drain` waits for all of them; a failed append is raised by the next `send` or `drain`.
+    per batch, not per chunk. Its appends are handed to the event log with a callback, not a task
+    and a future each (a token's append would cost both). `drain` waits for all of them; a failed
+    append is raised by the next `send` or `drain`.
     """
 
     @classmethod
@@ -49,45 +50,112 @@ class ResponseWriter:
         self.started_at = time.monotonic()
         self.first_output_at: float | None = None
         self._pending: list[dict[str, Any]] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._inflight: list[Event] | None = None  # the batch sent and not yet landed
+        self._failure: BaseException | None = None  # what the last append met, raised once
+        self._idle: asyncio.Future[None] | None = None  # resolved once nothing is in flight
+        self._retry_until = 0.0  # while an append meets an outage: until when it is tried again
+        self._retry_delay = 0.0
+        self._abandoned = False
 
     def send(self, events: list[dict[str, Any]]) -> None:
         """Append `events` after those sent before, without waiting (see `drain`)."""
-        if self._flushing is not None and self._flushing.done():
-            flushed, self._flushing = self._flushing, None
-            flushed.result()  # raise what the last append met
+        self._raise_failure()
+        self._abandoned = False
         self._pending += events
-        if self._flushing is None and self._pending:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        if self._inflight is None and self._pending:
+            self._submit()
 
     async def drain(self) -> None:
         """Wait until everything sent has landed; raise what an append met."""
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            await flushing
+        await self._landing()
+        self._raise_failure()
 
     async def settle(self) -> None:
         """Wait until what was sent is appended or an append fails, whatever it meets: then
         `next_sequence` is where the stream ends."""
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            with contextlib.suppress(Exception):
-                await flushing
+        await self._landing()
+        self._failure = None
 
     async def abandon(self) -> None:
         """Stop appending what was sent (the attempt is over). An append already sent may still land:
         whoever writes next reads where the stream ends (`_ensure_terminal`)."""
         self._pending.clear()
-        if self._flushing is not None:
-            flushing, self._flushing = self._flushing, None
-            flushing.cancel()
-            with contextlib.suppress(BaseException):
-                await flushing
+        self._abandoned = True
+        self._failure = None
 
-    async def _flush(self) -> None:
-        while self._pending:
-            events, self._pending = coalesce.merge_deltas(self._pending), []
-            await self.emit(events)
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    async def _landing(self) -> None:
+        """Until nothing is in flight (what was sent meanwhile included)."""
+        while self._inflight is not None:
+            if self._idle is None:
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
+
+    def _submit(self) -> None:
+        events, self._pending = coalesce.merge_deltas(self._pending), []
+        self._inflight = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
+        self._retry_until = 0.0
+        self.log.submit(self.lease, self._inflight, 0, self._landed)
+
+    def _resubmit(self) -> None:
+        if self._inflight is not None and not self._abandoned:
+            self.log.submit(self.lease, self._inflight, 0, self._landed)
+
+    def _landed(self, outcome: Outcome) -> None:
+        """The event log's word on the batch in flight: count it, or retry it, or keep its failure;
+        then send what waits, or tell whoever waits for the writer to be idle."""
+        encoded = self._inflight
+        assert encoded is not None
+        if isinstance(outcome, RedisResponseError) and "equal or smaller" in str(outcome):
+            outcome = AppendResult.OK  # our own earlier try landed (see `_append_once`)
+        if isinstance(outcome, Exception):
+            if is_outage(outcome) and not self._abandoned and self._retry(outcome):
+                return
+            self._failure = outcome
+        else:
+            self._counted(encoded)
+            if outcome is AppendResult.FENCED:
+                self._failure = FencedOutError(self.lease.response_id)
+            elif outcome is AppendResult.CANCEL_REQUESTED:
+                self._failure = CancelRequestedError(self.lease.response_id)
+        self._inflight = None
+        if self._abandoned:
+            self._pending.clear()
+        if self._failure is None and self._pending:
+            self._submit()
+            return
+        if self._idle is not None:
+            idle, self._idle = self._idle, None
+            if not idle.done():
+                idle.set_result(None)
+
+    def _retry(self, outage: Exception) -> bool:
+        """Send the batch in flight again after a backoff, within `patience`; False past it."""
+        loop = asyncio.get_running_loop()
+        if not self._retry_until:
+            self._retry_until, self._retry_delay = loop.time() + self.patience, 0.1
+        if loop.time() + self._retry_delay > self._retry_until:
+            return False
+        log.warning(
+            "appending to %s met %s; trying again in %.1f s",
+            self.lease.response_id,
+            outage,
+            self._retry_delay,
+        )
+        loop.call_later(self._retry_delay, self._resubmit)
+        self._retry_delay = min(self._retry_delay * 2, 1.0)
+        return True
+
+    def _counted(self, encoded: list[Event]) -> None:
+        """A batch landed: the numbers are used up (only now: a writer that goes on after a failed
+        append must leave no gap)."""
+        self.next_sequence += len(encoded)
+        if self.first_output_at is None and any(_is_output(event) for event in encoded):
+            self.first_output_at = time.monotonic()
 
     async def emit(
         self, events: list[dict[str, Any]], *, final: bool = False, retain_seconds: int = 0
@@ -95,12 +163,10 @@ class ResponseWriter:
         """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the
         final append). With `retain_seconds` (a final append), the response's keys are kept that
         long from then on (`expire_response`, in the same round trip)."""
+        await self._landing()  # after what `send` has in flight
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds)
-        # Only once they landed: a writer that goes on after a failed append must leave no gap.
-        self.next_sequence += len(encoded)
-        if self.first_output_at is None and any(_is_output(event) for event in encoded):
-            self.first_output_at = time.monotonic()
+        self._counted(encoded)
         if result is AppendResult.FENCED:
             raise FencedOutError(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:

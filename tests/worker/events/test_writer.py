@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease
 from worker.events.stream import AppendResult, Event
 from worker.events.writer import ResponseWriter
@@ -16,17 +19,39 @@ LEASE = Lease("resp_1", 1, "worker-a")
 
 
 class ScriptedLog:
-    """An event log at the writer's seam that answers each append as scripted, and records what landed."""
+    """An event log at the writer's seam that answers each append as scripted, and records what
+    landed. `submit`'s appends are answered when the test says (`answer`), as a round trip would."""
 
     def __init__(self, *answers: Any) -> None:
         self.answers = list(answers)
         self.landed: list[int] = []
+        self.batches: list[list[str]] = []  # what each submitted append carried: event types or deltas
+        self.waiting: list[tuple[list[Event], Callable[[Any], object]]] = []
 
     async def append(self, lease: Lease, events: list[Event], retain_seconds: int = 0) -> AppendResult:
-        answer = self.answers.pop(0) if self.answers else AppendResult.OK
+        answer = self._answer(events)
         if isinstance(answer, Exception):
             raise answer
-        self.landed += [event.sequence_number for event in events]
+        return answer
+
+    def submit(
+        self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Any], object]
+    ) -> None:
+        self.batches.append([event.payload().get("delta", event.type) for event in events])
+        self.waiting.append((events, done))
+
+    def answer(self) -> None:
+        """The round trip of every append submitted so far comes back."""
+        waiting, self.waiting = self.waiting, []
+        for events, done in waiting:
+            done(self._answer(events))
+
+    def _answer(self, events: list[Event]) -> AppendResult | Exception:
+        answer = self.answers.pop(0) if self.answers else AppendResult.OK
+        if isinstance(answer, Exception):
+            return answer
+        if answer is not AppendResult.FENCED:
+            self.landed += [event.sequence_number for event in events]
         return AppendResult(answer)
 
 
@@ -60,3 +85,77 @@ async def test_an_append_that_already_landed_counts_as_written() -> None:
     writer = ResponseWriter(ScriptedLog(refused), LEASE, next_sequence=3)  # type: ignore[arg-type]
     await writer.emit([_delta("a")])
     assert writer.next_sequence == 4
+
+
+async def test_what_is_sent_while_an_append_is_in_flight_goes_in_the_next_one_merged() -> None:
+    """`send` hands the first batch over at once; what comes while it is in flight waits, its deltas
+    joined, and goes once the first lands; `drain` returns once everything landed, numbered in order."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=5)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    writer.send([_delta("b")])
+    writer.send([_delta("c"), {"type": "response.output_text.done"}])
+    assert log.batches == [["a"]]
+    draining = asyncio.create_task(writer.drain())
+    await asyncio.sleep(0)
+    assert not draining.done()
+    log.answer()
+    assert log.batches == [["a"], ["bc", "response.output_text.done"]]
+    await asyncio.sleep(0)
+    assert not draining.done()
+    log.answer()
+    await draining
+    assert (log.landed, writer.next_sequence) == ([5, 6, 7], 8)
+
+
+async def test_a_fenced_append_is_raised_once_and_what_waited_is_not_sent() -> None:
+    log = ScriptedLog(AppendResult.FENCED)
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    writer.send([_delta("b")])
+    log.answer()
+    with pytest.raises(FencedOutError):
+        await writer.drain()
+    assert log.batches == [["a"]] and log.landed == []
+    await writer.drain()  # raised once
+
+
+async def test_a_sent_append_is_retried_while_redis_is_briefly_away_then_given_up() -> None:
+    """Within its patience a sent batch goes again with the same numbers; past it, the outage is
+    raised by the next `send`, and the numbers are not used up."""
+    log = ScriptedLog(RedisConnectionError("down"), AppendResult.OK)
+    writer = ResponseWriter(log, LEASE, next_sequence=3, patience=5.0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    log.answer()
+    await asyncio.sleep(0.15)  # the first backoff
+    assert log.batches == [["a"], ["a"]]
+    log.answer()
+    await writer.drain()
+    assert (log.landed, writer.next_sequence) == ([3], 4)
+    impatient = ResponseWriter(ScriptedLog(RedisConnectionError("down")), LEASE, next_sequence=3)  # type: ignore[arg-type]
+    impatient.send([_delta("a")])
+    impatient.log.answer()  # type: ignore[attr-defined]
+    with pytest.raises(RedisConnectionError):
+        impatient.send([_delta("b")])
+    assert impatient.next_sequence == 3
+
+
+async def test_a_cancel_request_is_raised_after_the_batch_landed() -> None:
+    log = ScriptedLog(AppendResult.CANCEL_REQUESTED)
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    log.answer()
+    with pytest.raises(CancelRequestedError):
+        writer.send([_delta("b")])
+    assert writer.next_sequence == 1
+
+
+async def test_an_abandoned_writer_sends_nothing_more_of_what_waited() -> None:
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    writer.send([_delta("b")])
+    await writer.abandon()
+    log.answer()  # the one in flight still lands
+    assert log.batches == [["a"]] and writer.next_sequence == 1
+    await writer.settle()
