@@ -273,7 +273,7 @@ async def _attempt(
             if reply.status_code >= 400:
                 raise await _status_error(reply)
             is_ended = is_done = False
-            async for line in reply.aiter_lines():
+            async for line in _lines(reply):
                 payload = _data(line)
                 if payload is _DONE:
                     is_done = True
@@ -290,6 +290,25 @@ async def _attempt(
     except UpstreamError as exc:
         exc.redact(_sent_key(request))
         raise
+
+
+async def _lines(reply: httpx2.Response) -> AsyncGenerator[bytes]:
+    """The body's lines, as bytes without their ends (LF, CRLF or CR: the SSE spec's three).
+
+    Read from the response's byte stream itself: httpx's line iterator stacks four generators per
+    chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent compressed is read
+    through httpx's decoding."""
+    encoding = reply.headers.get("content-encoding", "identity").strip().lower()
+    chunks = reply.stream if encoding in ("", "identity") else reply.aiter_bytes()
+    rest = b""
+    async for chunk in chunks:  # type: ignore[union-attr]  # an AsyncByteStream: the client is async
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
 
 
 def _unfinished(kind: StreamKind, is_done: bool) -> TransientUpstreamError:
@@ -390,28 +409,34 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 _DONE: Payload = {}
 
 
-def _data(line: str) -> Payload | None:
+def _data(line: bytes) -> Payload | None:
     """The JSON object of a `data:` line (`_DONE` for `[DONE]`); None for any other line."""
-    if not line.startswith("data:"):
+    if not line.startswith(b"data:"):
         return None
     text = line[5:].strip()
     if not text:
         return None
-    if text == "[DONE]":
+    if text == b"[DONE]":
         return _DONE
     return _object(text)
 
 
-def _object(text: str) -> Payload:
-    """The JSON object `text` holds; `UpstreamError` if it holds none, or an in-band error."""
-    if "\\u0000" in text:
+def _object(text: str | bytes) -> Payload:
+    """The JSON object `text` holds; `UpstreamError` if it holds none, or an in-band error. Bytes
+    that are not UTF-8 are read as their text with U+FFFD in place of what is not (as a decoder would)."""
+    if isinstance(text, bytes) and b"\\u0000" in text:
+        text = text.decode(errors="replace")
+    if isinstance(text, str) and "\\u0000" in text:
         text = _NUL_ESCAPE.sub("\\1\\\\ufffd", text)
     try:
         payload = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
+        if isinstance(text, bytes):  # perhaps not UTF-8: as text, then
+            return _object(text.decode(errors="replace"))
         raise UpstreamError(f"the upstream sent a line that is not JSON: {text[:200]!r}") from exc
     if not isinstance(payload, dict):
-        raise UpstreamError(f"the upstream sent a JSON value that is not an object: {text[:200]!r}")
+        shown = text.decode(errors="replace") if isinstance(text, bytes) else text
+        raise UpstreamError(f"the upstream sent a JSON value that is not an object: {shown[:200]!r}")
     if payload.get("error"):
         raise UpstreamError(f"the upstream reported an error: {_message_of(payload)}")
     return payload
