@@ -7,6 +7,7 @@ thing these tests fake, and records every backoff the retry loop asked for.
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -577,3 +578,11 @@ async def test_data_lines_are_read_however_the_body_is_cut(delays: list[float], 
     answer = httpx2.Response(200, stream=Chunked(MIXED, size), headers={"content-type": "text/event-stream"})
     got = await collect(Upstream(answer))
     assert got == [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}, {"t": "a\ufffdb"}]
+
+
+async def test_a_compressed_body_is_read_through_its_decoding(delays: list[float]) -> None:
+    """An upstream (or a proxy before it) that gzips its event stream: the lines are the decoded ones."""
+    body = gzip.compress(sse({"n": 1}, {"n": 2}))
+    headers = {"content-type": "text/event-stream", "content-encoding": "gzip"}
+    answer = httpx2.Response(200, stream=Chunked(body, 5), headers=headers)
+    assert await collect(Upstream(answer)) == [{"n": 1}, {"n": 2}]
