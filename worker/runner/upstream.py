@@ -34,12 +34,13 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
 import re
 from asyncio import sleep
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -266,14 +267,24 @@ async def _read_until_output(payloads: AsyncGenerator[Payload], kind: StreamKind
 async def _attempt(
     client: httpx2.AsyncClient, request: httpx2.Request, kind: StreamKind
 ) -> AsyncGenerator[Payload]:
-    """One POST: yield its payloads, with every fault mapped to `UpstreamError`."""
+    """One POST: yield its payloads, with every fault mapped to `UpstreamError`.
+
+    The stall bound (the client's read timeout) is kept here, not by the transport: aiohttp's
+    per-read timer is cancelled and set again at every chunk, a tenth of the upstream read's CPU
+    a token (issue 20); one timer a stream, set again only when it fires, bounds the silence alike.
+    """
+    stall = client.timeout.read
+    if stall is not None:
+        request.extensions["timeout"] = {**request.extensions.get("timeout", {}), "read": None}
+    silence = _Silence(stall)
     try:
-        reply = await client.send(request, stream=True)
+        async with asyncio.timeout(stall):  # its headers
+            reply = await client.send(request, stream=True)
         try:
             if reply.status_code >= 400:
                 raise await _status_error(reply)
             is_ended = is_done = False
-            async for line in _lines(reply):
+            async for line in _lines(reply, silence):
                 payload = _data(line)
                 if payload is _DONE:
                     is_done = True
@@ -290,18 +301,72 @@ async def _attempt(
     except UpstreamError as exc:
         exc.redact(_sent_key(request))
         raise
+    except TimeoutError as exc:  # no headers in time, or a body silent that long
+        raise TransientUpstreamError(f"the upstream sent nothing for {_seconds(stall)}") from exc
 
 
-async def _lines(reply: httpx2.Response) -> AsyncGenerator[bytes]:
-    """The body's lines, as bytes without their ends (LF, CRLF or CR: the SSE spec's three).
+class _Silence:
+    """Bounds the silence of one upstream call's body between chunks to `seconds` (None: unbounded),
+    counted only while its reader waits for the next one, with one timer that is set again only when
+    it fires: aiohttp's own per-read timer is cancelled and set again at every chunk, a tenth of the
+    upstream read's CPU a token (issue 20)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.is_stalled = False
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[Any] | None = None  # the one waiting for a chunk
+        self._last = self._loop.time()
+        self._waiting = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def chunks(self, stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes]:
+        """`stream`'s chunks; `TimeoutError` (`is_stalled` then true) once it was silent for `seconds`."""
+        iterator = aiter(stream)
+        if self.seconds is not None:
+            self._last = self._loop.time()
+            self._timer = self._loop.call_at(self._last + self.seconds, self._check)
+        try:
+            while True:
+                self._task, self._waiting = asyncio.current_task(), True
+                try:
+                    chunk = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if self.is_stalled and self._task is not None and self._task.uncancel() == 0:
+                        raise TimeoutError from None  # ours alone: the stall
+                    raise
+                finally:
+                    self._waiting = False
+                self._last = self._loop.time()
+                yield chunk
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _check(self) -> None:
+        assert self.seconds is not None
+        due = self._last + self.seconds
+        now = self._loop.time()
+        if self._waiting and now >= due and self._task is not None:
+            self.is_stalled = True
+            self._task.cancel()
+            return
+        self._timer = self._loop.call_at(max(due, now + self.seconds / 8), self._check)
+
+
+async def _lines(reply: httpx2.Response, silence: _Silence) -> AsyncGenerator[bytes]:
+    """The body's lines, as bytes without their ends (LF, CRLF or CR: the SSE spec's three), read
+    within `silence`'s bound.
 
     Read from the response's byte stream itself: httpx's line iterator stacks four generators per
     chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent compressed is read
     through httpx's decoding."""
     encoding = reply.headers.get("content-encoding", "identity").strip().lower()
-    chunks = reply.stream if encoding in ("", "identity") else reply.aiter_bytes()
+    stream = reply.stream if encoding in ("", "identity") else reply.aiter_bytes()
     rest = b""
-    async for chunk in chunks:  # type: ignore[union-attr]  # an AsyncByteStream: the client is async
+    async for chunk in silence.chunks(stream):  # type: ignore[arg-type]  # an AsyncByteStream: the client is async
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *lines, rest = (rest + chunk).split(b"\n")

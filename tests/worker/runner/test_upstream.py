@@ -586,3 +586,40 @@ async def test_a_compressed_body_is_read_through_its_decoding(delays: list[float
     headers = {"content-type": "text/event-stream", "content-encoding": "gzip"}
     answer = httpx2.Response(200, stream=Chunked(body, 5), headers=headers)
     assert await collect(Upstream(answer)) == [{"n": 1}, {"n": 2}]
+
+
+class Paced(httpx2.AsyncByteStream):
+    """A body whose chunks come `gaps` seconds apart (real time: the stall bound is what is tested)."""
+
+    def __init__(self, chunks: list[bytes], gaps: list[float]) -> None:
+        self.chunks, self.gaps = chunks, gaps
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk, gap in zip(self.chunks, self.gaps, strict=True):
+            await asyncio.sleep(gap)
+            yield chunk
+
+
+def _paced(gaps: list[float]) -> httpx2.Response:
+    chunks = [b'data: {"n": %d}\n\n' % n for n in range(len(gaps) - 1)] + [b"data: [DONE]\n\n"]
+    return httpx2.Response(200, stream=Paced(chunks, gaps), headers={"content-type": "text/event-stream"})
+
+
+async def test_a_body_silent_past_the_stall_bound_is_a_stall_and_a_steady_one_is_not(
+    delays: list[float],
+) -> None:
+    """Silence between chunks is bounded (0.3 s here), however long the body lasts: chunks 0.1 s
+    apart for 0.6 s arrive whole; a silence of 1 s after the first payload that carries output is
+    a stall, final at once (that output reached clients), saying how long."""
+    assert await collect(Upstream(_paced([0.1] * 6)), stall_seconds=0.3) == [{"n": n} for n in range(5)]
+    error = await fail(Upstream(_paced([0.0, 1.0, 0.0])), stall_seconds=0.3)
+    assert "sent nothing for 0.3 s" in str(error)
+
+
+async def test_a_cancel_while_the_body_is_silent_is_a_cancel(delays: list[float]) -> None:
+    """A task cancelled while it waits for the next chunk is cancelled (not taken for a stall)."""
+    task = asyncio.ensure_future(collect(Upstream(_paced([0.0, 5.0, 0.0])), stall_seconds=1.0))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
