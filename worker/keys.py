@@ -35,9 +35,17 @@ def observed_key(response_id: str) -> str:
     return f"{PREFIX}:{{{response_id}}}:observed"
 
 
+def queued_key(response_id: str) -> str:
+    """The name of the queue that holds the response, from its enqueue until it has ended (or is
+    given up, or removed while waiting). Whatever its queue, a sweep can tell a response some queue
+    holds from one Redis lost: deployments on one Postgres may each have a queue of their own."""
+    return f"{PREFIX}:{{{response_id}}}:queued"
+
+
 def response_keys(response_id: str) -> list[str]:
     """All of a response's own keys (for delete)."""
     return [
+        queued_key(response_id),
         events_key(response_id),
         lease_key(response_id),
         attempt_key(response_id),

@@ -29,7 +29,7 @@ from rq.serializers import JSONSerializer
 
 from worker.events.lease import FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, add_events
-from worker.keys import held_key, queue_key, secrets_key, taking_key, workers_key
+from worker.keys import held_key, queue_key, queued_key, secrets_key, taking_key, workers_key
 
 # A delivery attempt's job function, as RQ records it (respool's worker runs it itself).
 DELIVERY_FUNCTION = "worker.runner.deliver_job"
@@ -66,6 +66,7 @@ while true do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not id then return n end
   redis.call('ZADD', KEYS[3], 'inf', id)
+  redis.call('SET', 'respool:{' .. id .. '}:queued', ARGV[1])
   n = n + 1
 end
 """
@@ -92,6 +93,7 @@ class ResponseQueue:
             if secrets is not None:
                 pipe.set(secrets_key(response_id), secrets[0], ex=secrets[1])
             add_events(pipe, response_id, first_events)
+            pipe.set(queued_key(response_id), self.name)
             pipe.zadd(self.held, {response_id: math.inf})
             pipe.rpush(self.key, response_id)
             await pipe.execute()
@@ -102,10 +104,13 @@ class ResponseQueue:
 
     async def remove_queued(self, response_id: str) -> bool:
         """Take a response that no worker has taken out of the queue; False if a worker has it."""
-        return bool(await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id))
+        if not await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id):
+            return False
+        await self.redis.delete(queued_key(response_id))
+        return True
 
     async def forget(self, response_id: str) -> None:
-        """Drop a deleted response from what the queue holds."""
+        """Drop a deleted response from what the queue holds (its own keys are deleted with it)."""
         await self.redis.zrem(self.held, response_id)
 
     # The worker's side ---------------------------------------------------------------------------
@@ -136,6 +141,7 @@ class ResponseQueue:
         """The response has ended: give its lease back and drop it from what the queue holds."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.held, lease.response_id)
+            pipe.delete(queued_key(lease.response_id))
             release_commands(pipe, lease)
             await pipe.execute()
 
@@ -197,20 +203,18 @@ class ResponseQueue:
             )
 
     async def drop(self, response_ids: list[str]) -> None:
+        """Responses given up: the queue holds them no more."""
         if response_ids:
-            await self.redis.zrem(self.held, *response_ids)
-
-    async def holds(self, response_ids: list[str]) -> list[bool]:
-        """Whether the queue holds each response (waiting, being taken or running)."""
-        if not response_ids:
-            return []
-        scores = await self.redis.zmscore(self.held, response_ids)
-        return [score is not None for score in scores]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.held, *response_ids)
+                for response_id in response_ids:
+                    pipe.delete(queued_key(response_id))
+                await pipe.execute()
 
     async def adopt(self) -> int:
         """Take into the queue responses an earlier release queued as RQ jobs (a rolling upgrade);
         how many there were."""
-        return int(await self.redis.eval(_ADOPT, 3, f"rq:queue:{self.name}", self.key, self.held))
+        return int(await self.redis.eval(_ADOPT, 3, f"rq:queue:{self.name}", self.key, self.held, self.name))
 
     async def dead_workers(self) -> int:
         """Put back what dead workers had popped and never leased; how many responses that was."""
@@ -221,6 +225,16 @@ class ResponseQueue:
             moved += int(await self.redis.eval(_PUT_BACK, 2, taking_key(self.name, worker), self.key))
             await self.redis.zrem(self.workers, worker)
         return moved
+
+
+async def held_by_a_queue(redis: AsyncRedis, response_ids: list[str]) -> list[bool]:
+    """Whether some queue (this deployment's or another's on the same Redis) holds each response."""
+    if not response_ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for response_id in response_ids:
+            pipe.exists(queued_key(response_id))
+        return [bool(found) for found in await pipe.execute()]
 
 
 def _ms(seconds: float) -> int:

@@ -14,8 +14,8 @@ from tests.support.stack import Servers
 from worker.connections import blocking_client
 from worker.events.lease import Leases
 from worker.events.stream import encode, read_events
-from worker.keys import held_key, lease_key, queue_key, secrets_key, taking_key, workers_key
-from worker.queue import ResponseQueue
+from worker.keys import held_key, lease_key, queue_key, queued_key, secrets_key, taking_key, workers_key
+from worker.queue import ResponseQueue, held_by_a_queue
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,8 @@ async def test_an_enqueued_response_waits_with_its_first_events_and_secrets(
     assert [event.type for event in await read_events(redis, rid)] == ["response.created", "response.queued"]
     assert await redis.get(secrets_key(rid)) == b"sealed" and 0 < await redis.ttl(secrets_key(rid)) <= 60
     assert await queue.depth() == 1
+    assert await redis.get(queued_key(rid)) == queue.name.encode()  # whatever the queue, a sweep sees it held
+    assert await held_by_a_queue(redis, [rid, "resp_none"]) == [True, False]
     await redis.delete(secrets_key(rid), f"respool:{{{rid}}}:events")
 
 
@@ -88,6 +90,7 @@ async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_
     assert await queue.start(leases, first, "w2") is None
     await queue.finished(leases, lease)
     assert first not in await _held(redis, queue)
+    assert await held_by_a_queue(redis, [first, second]) == [False, True]
     assert await redis.exists(lease_key(first)) == 0
     assert await _waiting(redis, queue) == [second]
     await redis.delete(f"respool:{{{first}}}:attempt")
@@ -126,6 +129,7 @@ async def test_only_a_response_still_waiting_can_be_removed(
     assert await queue.remove_queued(waiting) is False
     assert await _waiting(redis, queue) == []
     assert await _held(redis, queue) == {taken: math.inf}
+    assert await held_by_a_queue(redis, [waiting, taken]) == [False, True]
 
 
 async def test_renewal_keeps_only_what_the_queue_holds_and_says_the_worker_is_alive(
@@ -161,6 +165,7 @@ async def test_responses_an_earlier_release_queued_as_rq_jobs_are_taken_in(
         assert await queue.adopt() == 2
         assert await _waiting(redis, queue) == [mine, old_a, old_b]
         assert await _held(redis, queue) == dict.fromkeys([mine, old_a, old_b], math.inf)
+        assert await held_by_a_queue(redis, [old_a, old_b]) == [True, True]
         assert await redis.exists(f"rq:queue:{queue.name}") == 0
         assert await queue.adopt() == 0
     finally:

@@ -23,6 +23,7 @@ import orjson
 from worker.keys import attempt_key, lease_key, sweep_cursor_key, sweep_lock_key
 from worker.postgres import deliveries, store
 from worker.protocol.response import Status
+from worker.queue import held_by_a_queue
 from worker.runner.attempt import end_response
 from worker.runner.runtime import Runtime
 from worker.settings import Settings
@@ -146,7 +147,7 @@ def _position(raw: bytes | str | None) -> store.LivePosition | None:
 
 
 async def _end_unheld(rt: Runtime, candidates: list[str]) -> int:
-    """End those of `candidates` nobody holds: no lease, and not in the queue (Redis lost them)."""
+    """End those of `candidates` nobody holds: no lease, and in no queue (Redis lost them)."""
     if not candidates:
         return 0
     async with rt.redis.pipeline(transaction=False) as pipe:
@@ -156,9 +157,10 @@ async def _end_unheld(rt: Runtime, candidates: list[str]) -> int:
     unleased = [rid for rid, is_leased in zip(candidates, leased, strict=True) if not is_leased]
     if not unleased:
         return 0
-    held = await rt.queue.holds(unleased)
+    # Any queue's: a Postgres may serve deployments with a queue each, and each sweeps every live row.
+    held = await held_by_a_queue(rt.redis, unleased)
     log.debug(
-        "sweep: %d live, %d unleased, %d of them held by the queue", len(candidates), len(unleased), sum(held)
+        "sweep: %d live, %d unleased, %d of them held by a queue", len(candidates), len(unleased), sum(held)
     )
     ended = 0
     for response_id, is_held in zip(unleased, held, strict=True):

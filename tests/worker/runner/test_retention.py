@@ -9,12 +9,14 @@ from pathlib import Path
 
 import openai
 import pytest
+from redis import Redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from tests.conftest import make_sdk, own_stack
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.webhook_receiver import Receiver
+from worker.keys import events_key
 from worker.postgres.store import async_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -72,12 +74,20 @@ def _expired(sdk: openai.OpenAI, response_id: str, starting_after: int | None) -
 
 @pytest.mark.parametrize("starting_after", [None, 3])
 def test_an_expired_stream_is_an_explicit_error(
-    short_lived: openai.OpenAI, starting_after: int | None
+    short_lived: openai.OpenAI, starting_after: int | None, backing: Servers
 ) -> None:
     """Once a finished response's events expire, streaming it (from any offset) is a 400, never an empty success."""
     response = short_lived.responses.create(model="synthetic", input="x")
     assert response.status == "completed"
-    assert wait_for(lambda: _expired(short_lived, response.id, starting_after), timeout=10) == "stream"
+    try:
+        assert wait_for(lambda: _expired(short_lived, response.id, starting_after), timeout=10) == "stream"
+    except AssertionError as exc:  # say what Redis still holds of it (each key's type and ms to live)
+        with Redis.from_url(backing.redis_url) as redis:
+            held = {
+                key: (redis.type(key), redis.pttl(key)) for key in redis.scan_iter(match=f"*{response.id}*")
+            }
+            events = redis.xrange(events_key(response.id))
+        raise AssertionError(f"{response.id} still held: {held}; its events: {events}") from exc
     assert short_lived.responses.retrieve(response.id).status == "completed"  # the stored response remains
 
 

@@ -29,7 +29,7 @@ from tests.support.queue import QueueView
 from tests.support.stack import Servers, fresh_database
 from tests.support.webhook_receiver import Receiver
 from worker.errors import ConfigError
-from worker.keys import attempt_key, held_key, lease_key, queue_key, taking_key, workers_key
+from worker.keys import attempt_key, held_key, lease_key, queue_key, queued_key, taking_key, workers_key
 from worker.postgres import deliveries
 from worker.postgres.store import async_url
 from worker.runner.deliveries import Deliverer
@@ -63,11 +63,16 @@ def redis(backing: Servers) -> Iterator[Redis]:
 
 @pytest.fixture
 def held(redis: Redis, settings: Settings) -> Iterator[list[str]]:
-    """HELD response ids the queue holds (waiting: a worker will run them)."""
+    """HELD response ids a queue holds (waiting: a worker will run them): the first in this
+    sweep's queue, the others in another deployment's (a queue of its own on the same Redis and
+    Postgres), which this sweep must leave alone too."""
     ids = [f"resp_{settings.queue.replace('-', '')}held{index}" for index in range(HELD)]
-    redis.zadd(held_key(settings.queue), dict.fromkeys(ids, float("inf")))
+    redis.zadd(held_key(settings.queue), {ids[0]: float("inf")})
+    redis.zadd(held_key(f"{settings.queue}-other"), dict.fromkeys(ids[1:], float("inf")))
+    for index, response_id in enumerate(ids):
+        redis.set(queued_key(response_id), settings.queue if index == 0 else f"{settings.queue}-other")
     yield ids
-    redis.delete(held_key(settings.queue))
+    redis.delete(held_key(settings.queue), held_key(f"{settings.queue}-other"), *map(queued_key, ids))
 
 
 def _insert_live(database_url: str, status: str, response_ids: list[str], oldest: int = 120) -> None:
@@ -175,6 +180,7 @@ async def test_responses_past_their_deadline_are_put_back_or_given_up(
     redis.set(lease_key(late), "1:someone", px=60_000)
     redis.set(attempt_key(abandoned), settings.max_attempts - 1)
     redis.set(attempt_key(spent), settings.max_attempts)
+    redis.set(queued_key(spent), settings.queue)
     rt = await open_runtime(settings, f"test:{settings.queue}", 1)
     try:
         assert await take_back(rt, settings.max_attempts) == 1
@@ -184,7 +190,7 @@ async def test_responses_past_their_deadline_are_put_back_or_given_up(
     held = queue.held()
     assert held[abandoned] == float("inf") and held[waiting] == float("inf")
     assert held[late] > past and held[on_time] == 1e15
-    assert spent not in held
+    assert spent not in held and not redis.exists(queued_key(spent))
     assert _statuses(settings.database_url, [late, abandoned, spent, on_time]) == {
         late: "in_progress", abandoned: "in_progress", spent: "failed", on_time: "in_progress"
     }  # fmt: skip
