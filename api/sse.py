@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from worker.errors import UnavailableError
 from worker.events.stream import Event
@@ -61,31 +61,6 @@ class SlowClientError(Exception):
     """The client left a write untaken past the write timeout."""
 
 
-async def _frames(
-    events: AsyncIterator[Event | None], after: int, on_disconnect: Callable[[], Awaitable[None]] | None
-) -> AsyncGenerator[bytes]:
-    is_ended = False  # whether the client saw the stream's end (so it did not go away)
-    try:
-        async for event in events:
-            yield HEARTBEAT if event is None else frame(event)
-            if event is not None:
-                after, is_ended = event.sequence_number, event.is_terminal
-    except Exception as exc:
-        # The relay's boundary: an outage of Redis ends the stream with an error event saying so.
-        error = as_unavailable(exc)
-        if error is None:
-            raise
-        is_ended = True  # we end it, not the client: nothing to cancel
-        log.warning("a stream ends early after event %d: %s", after, error.message)
-        if after >= 0:  # with no event sent yet there is no number to repeat: the stream just ends
-            yield error_frame(error, after)
-    finally:
-        if not is_ended and on_disconnect is not None:
-            # The client went away mid-stream. This task is being cancelled, so the clean-up runs
-            # as a task of its own that the cancellation cannot reach.
-            _run_detached(on_disconnect())
-
-
 def _run_detached(cleanup: Awaitable[None]) -> None:
     async def run() -> None:
         try:
@@ -102,34 +77,19 @@ class _WriteWatch:
     """Gives up on a client that leaves one write untaken for `timeout_seconds`, by cancelling the
     write. One timer a stream, re-armed at each deadline, never one a write (DESIGN.md §7)."""
 
-    def __init__(self, send: Send, timeout_seconds: float) -> None:
-        self._send = send
+    def __init__(self, timeout_seconds: float) -> None:
         self._timeout = timeout_seconds
         self._loop = asyncio.get_running_loop()
-        self._since: float | None = None  # when the write under way began
-        self._writer: asyncio.Task[object] | None = None
-        self._is_expired = False
+        self.since: float | None = None  # when the write under way began
+        self.writer: asyncio.Task[object] | None = None
+        self.is_expired = False
         self._timer = self._loop.call_later(timeout_seconds, self._check)
 
-    async def send(self, message: Message) -> None:
-        """`send`, or `SlowClientError` once the write has waited `timeout_seconds` (uvicorn waits
-        for its buffer to drain before it writes, so a cancelled write wrote nothing)."""
-        self._since, self._writer = self._loop.time(), asyncio.current_task()
-        try:
-            await self._send(message)
-        except asyncio.CancelledError:
-            if not self._is_expired or self._writer is None:
-                raise
-            self._writer.uncancel()  # the cancel was ours, not the server's: undo it
-            raise SlowClientError from None
-        finally:
-            self._since = None
-
     def _check(self) -> None:
-        since, now = self._since, self._loop.time()
-        if since is not None and now - since >= self._timeout and self._writer is not None:
-            self._is_expired = True
-            self._writer.cancel()
+        since, now = self.since, self._loop.time()
+        if since is not None and now - since >= self._timeout and self.writer is not None:
+            self.is_expired = True
+            self.writer.cancel()
             return
         self._timer = self._loop.call_at((now if since is None else since) + self._timeout, self._check)
 
@@ -139,23 +99,66 @@ class _WriteWatch:
 
 class EventStream(StreamingResponse):
     """An SSE response that gives up on a client that stops reading, and runs `on_close` however it
-    ends: completed, the client gone or too slow, or an error."""
+    ends: completed, the client gone or too slow, or an error.
+
+    Its body is written here, an event a frame, with no generator of frames between the events and
+    the writes and no wrapper around each write (each was a hop a token, issue 20)."""
 
     def __init__(
         self,
-        frames: AsyncGenerator[bytes],
+        events: AsyncIterator[Event | None],
+        after: int,
         write_timeout_seconds: float,
+        on_disconnect: Callable[[], Awaitable[None]] | None,
         on_close: Callable[[], Awaitable[None]] | None,
     ) -> None:
-        super().__init__(frames, media_type="text/event-stream", headers=HEADERS)
-        self._frames = frames
+        super().__init__(_no_body(), media_type="text/event-stream", headers=HEADERS)
+        self._events = events
+        self._after = after
         self._write_timeout = write_timeout_seconds
+        self._on_disconnect = on_disconnect
         self._on_close = on_close
+        self._is_ended = False  # whether the client saw the stream's end (so it did not go away)
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        watch = _WriteWatch(self._write_timeout)
+        watch.writer = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        after = self._after
+        try:
+            try:
+                async for event in self._events:
+                    body = HEARTBEAT if event is None else frame(event)
+                    watch.since = loop.time()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    watch.since = None
+                    if event is not None:
+                        after, self._is_ended = event.sequence_number, event.is_terminal
+            except asyncio.CancelledError:
+                if not watch.is_expired:
+                    raise
+                assert watch.writer is not None
+                watch.writer.uncancel()  # the cancel was ours, not the server's: undo it
+                raise SlowClientError from None
+            except Exception as exc:
+                # The relay's boundary: an outage of Redis ends the stream with an error event saying so.
+                error = as_unavailable(exc)
+                if error is None:
+                    raise
+                self._is_ended = True  # we end it, not the client: nothing to cancel
+                log.warning("a stream ends early after event %d: %s", after, error.message)
+                if after >= 0:  # with no event sent yet there is no number to repeat: the stream just ends
+                    await send(
+                        {"type": "http.response.body", "body": error_frame(error, after), "more_body": True}
+                    )
+        finally:
+            watch.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = _WriteWatch(send, self._write_timeout)
         try:
-            await super().__call__(scope, receive, watch.send)
+            await super().__call__(scope, receive, send)
         except SlowClientError:
             log.warning(
                 "a stream's client took no data for %g s (RESPOOL_SSE_WRITE_TIMEOUT_SECONDS): the stream "
@@ -163,10 +166,20 @@ class EventStream(StreamingResponse):
                 self._write_timeout,
             )
         finally:
-            watch.stop()
-            await self._frames.aclose()  # its clean-up (a foreground response abandoned) runs now
+            if isinstance(self._events, AsyncGenerator):
+                await self._events.aclose()
+            if not self._is_ended and self._on_disconnect is not None:
+                # The client went away mid-stream. This task may be being cancelled, so the clean-up
+                # runs as a task of its own that the cancellation cannot reach.
+                _run_detached(self._on_disconnect())
             if self._on_close is not None:
                 _run_detached(self._on_close())
+
+
+async def _no_body() -> AsyncGenerator[bytes]:
+    """StreamingResponse's body, unused: `EventStream` writes its own."""
+    return
+    yield b""
 
 
 def sse_response(
@@ -179,7 +192,7 @@ def sse_response(
 ) -> EventStream:
     """Relay `events` (those after sequence number `after`); `on_disconnect` runs if the client goes
     away (or is given up on) before the terminal event, `on_close` however the stream ends."""
-    return EventStream(_frames(events, after, on_disconnect), write_timeout_seconds, on_close)
+    return EventStream(events, after, write_timeout_seconds, on_disconnect, on_close)
 
 
 async def until_disconnected[T](request: Request, work: Awaitable[T]) -> T | None:
