@@ -59,17 +59,19 @@ redis.call('LPUSH', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: RQ's queue of responses (an earlier release's), the queue, held. Takes in what it holds.
+# KEYS: RQ's queue of responses (an earlier release's), the queue, held. ARGV: the queue's name,
+# then what comes before and after a response id in its `queued_key`. Takes in what RQ's holds.
 _ADOPT = """
 local n = 0
 while true do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not id then return n end
   redis.call('ZADD', KEYS[3], 'inf', id)
-  redis.call('SET', 'respool:{' .. id .. '}:queued', ARGV[1])
+  redis.call('SET', ARGV[2] .. id .. ARGV[3], ARGV[1])
   n = n + 1
 end
 """
+_QUEUED_KEY_AROUND = tuple(queued_key("\n").split("\n"))
 
 
 class ResponseQueue:
@@ -214,7 +216,8 @@ class ResponseQueue:
     async def adopt(self) -> int:
         """Take into the queue responses an earlier release queued as RQ jobs (a rolling upgrade);
         how many there were."""
-        return int(await self.redis.eval(_ADOPT, 3, f"rq:queue:{self.name}", self.key, self.held, self.name))
+        keys = (f"rq:queue:{self.name}", self.key, self.held)
+        return int(await self.redis.eval(_ADOPT, 3, *keys, self.name, *_QUEUED_KEY_AROUND))
 
     async def dead_workers(self) -> int:
         """Put back what dead workers had popped and never leased; how many responses that was."""
