@@ -72,14 +72,13 @@ class Leases:
     async def acquire_reading(self, response_id: str, holder: str) -> tuple[Lease, FlatEntry | None] | None:
         """`acquire`, and the newest entry of the response's stream when the lease was taken
         (`stream.take_lease` decodes it)."""
-        keys = [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
-        reply = await self._acquire(keys=keys, args=[holder, self._ttl_ms])
+        reply = await self._acquire(keys=_acquire_keys(response_id), args=[holder, self._ttl_ms])
         return acquired(response_id, holder, reply)
 
     def acquire_commands(self, pipe: Any, response_id: str, holder: str) -> None:
         """Queue `acquire_reading`'s script on `pipe` (its reply is read by `acquired`). Sent whole
         (EVAL): a pipeline's EVALSHA that met a Redis without the script would fail."""
-        keys = [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
+        keys = _acquire_keys(response_id)
         pipe.eval(_ACQUIRE, len(keys), *keys, holder, self._ttl_ms)
 
     async def renew(self, leases: list[Lease]) -> list[Lease]:
@@ -97,6 +96,10 @@ class Leases:
     async def release(self, lease: Lease) -> None:
         """Give the lease up (a no-op if it is no longer ours)."""
         await self._release(keys=[lease_key(lease.response_id)], args=[lease.value])
+
+
+def _acquire_keys(response_id: str) -> list[str]:
+    return [lease_key(response_id), attempt_key(response_id), events_key(response_id)]
 
 
 def acquired(response_id: str, holder: str, reply: list[Any]) -> tuple[Lease, FlatEntry | None] | None:

@@ -110,8 +110,8 @@ class ResponseWriter:
         then send what waits, or tell whoever waits for the writer to be idle."""
         encoded = self._inflight
         assert encoded is not None
-        if isinstance(outcome, RedisResponseError) and "equal or smaller" in str(outcome):
-            outcome = AppendResult.OK  # our own earlier try landed (see `_append_once`)
+        if _landed_before(outcome):
+            outcome = AppendResult.OK
         if isinstance(outcome, Exception):
             if is_outage(outcome) and not self._abandoned and self._retry(outcome):
                 return
@@ -182,12 +182,17 @@ class ResponseWriter:
         try:
             return await self.log.append(self.lease, encoded, retain_seconds)
         except RedisResponseError as exc:
-            # Explicit entry ids make a repeat fail (DESIGN.md §3). The script checked our lease
-            # first, so only we can have written these numbers: a try whose reply was lost (ours,
-            # or the client's own resend after a dropped connection) got through.
-            if "equal or smaller" in str(exc):
+            if _landed_before(exc):
                 return AppendResult.OK
             raise
+
+
+def _landed_before(outcome: object) -> bool:
+    """Whether an append's error says its events were already there. Explicit entry ids make a
+    repeat fail (DESIGN.md §3); the script checked our lease first, so only we can have written
+    these numbers: a try whose reply was lost (ours, or the client's own resend after a dropped
+    connection) got through."""
+    return isinstance(outcome, RedisResponseError) and "equal or smaller" in str(outcome)
 
 
 def _is_output(event: Event) -> bool:
