@@ -102,8 +102,13 @@ class ResponseWriter:
         self.log.submit(self.lease, self._inflight, 0, self._landed)
 
     def _resubmit(self) -> None:
-        if self._inflight is not None and not self._abandoned:
-            self.log.submit(self.lease, self._inflight, 0, self._landed)
+        if self._inflight is None:
+            return
+        if self._abandoned:  # given up while it waited to go again: it never landed
+            self._inflight = None
+            self._wake()
+            return
+        self.log.submit(self.lease, self._inflight, 0, self._landed)
 
     def _landed(self, outcome: Outcome) -> None:
         """The event log's word on the batch in flight: count it, or retry it, or keep its failure;
@@ -115,19 +120,26 @@ class ResponseWriter:
         if isinstance(outcome, Exception):
             if is_outage(outcome) and not self._abandoned and self._retry(outcome):
                 return
-            self._failure = outcome
+            failure: BaseException | None = outcome
         else:
             self._counted(encoded)
+            failure = None
             if outcome is AppendResult.FENCED:
-                self._failure = FencedOutError(self.lease.response_id)
+                failure = FencedOutError(self.lease.response_id)
             elif outcome is AppendResult.CANCEL_REQUESTED:
-                self._failure = CancelRequestedError(self.lease.response_id)
+                failure = CancelRequestedError(self.lease.response_id)
         self._inflight = None
-        if self._abandoned:
+        if self._abandoned:  # what an abandoned writer's last append met is nobody's to hear
             self._pending.clear()
+        else:
+            self._failure = failure
         if self._failure is None and self._pending:
             self._submit()
             return
+        self._wake()
+
+    def _wake(self) -> None:
+        """Tell whoever waits for the writer to be idle."""
         if self._idle is not None:
             idle, self._idle = self._idle, None
             if not idle.done():

@@ -159,3 +159,28 @@ async def test_an_abandoned_writer_sends_nothing_more_of_what_waited() -> None:
     log.answer()  # the one in flight still lands
     assert log.batches == [["a"]] and writer.next_sequence == 1
     await writer.settle()
+
+
+async def test_a_writer_abandoned_while_its_append_waits_to_go_again_can_still_end_the_stream() -> None:
+    """An append that met an outage waits out its backoff; the attempt is abandoned meanwhile (a
+    cancel, a stop). The batch is given up, not sent again, and the writer's own awaited appends
+    (the closing events) go at once, numbered where the stream ends, with no failure left over."""
+    log = ScriptedLog(RedisConnectionError("down"))
+    writer = ResponseWriter(log, LEASE, next_sequence=4, patience=5.0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    log.answer()  # the outage: a resubmit is due in 0.1 s
+    await writer.abandon()
+    await asyncio.sleep(0.15)
+    assert log.batches == [["a"]]  # not sent again
+    async with asyncio.timeout(1):
+        await writer.emit([{"type": "response.failed", "response": {}}], final=True)
+    assert (log.landed, writer.next_sequence) == ([4], 5)
+
+
+async def test_what_an_abandoned_writers_last_append_met_is_not_raised() -> None:
+    log = ScriptedLog(AppendResult.FENCED)
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    await writer.abandon()
+    log.answer()
+    await writer.drain()  # nothing raised: the attempt that sent it is over
