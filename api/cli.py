@@ -115,8 +115,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 **_uvicorn_options(settings),
             )
         else:
-            uvicorn.run(
-                create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings)
+            from api.serving import serve
+
+            serve(
+                uvicorn.Config(
+                    create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings)
+                )
             )
     elif args.command == "worker":
         from worker.runner.worker import run_worker

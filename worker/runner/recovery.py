@@ -41,14 +41,24 @@ GIVEN_UP = (
 )
 
 
-async def sweep(rt: Runtime, settings: Settings) -> int:
-    """One sweep, if no other process is sweeping; the number of responses it ended."""
+def retention_seconds(settings: Settings) -> float:
+    """How often the sweep deletes what is past retention: a tenth of the retention, at most a
+    minute (RESPOOL_RETENTION_DAYS is days: its deletes need not come every few seconds, and an idle
+    worker's sweep was two statements the cheaper without them)."""
+    return min(60.0, settings.retention_days * 86400 / 10)
+
+
+async def sweep(rt: Runtime, settings: Settings, *, retention: bool = True) -> int | None:
+    """One sweep, if no other process is sweeping (None if one was): the number of responses it
+    ended. With `retention`, it also deletes what is past retention."""
     lock_ms = int(settings.maintenance_seconds * 1000)
     # One lock per queue: deployments sharing a Redis each sweep their own responses.
     if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
-        return 0
+        return None
     ended = await take_back(rt, settings.max_attempts)
     ended += await end_orphans(rt, settings)
+    if not retention:
+        return ended
     # Each statement its own transaction (autocommit), here and in the pages below: a sweep runs
     # every few seconds on an idle system too, and BEGIN and COMMIT were two round trips of three.
     async with rt.autocommit.connect() as conn:

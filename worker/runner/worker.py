@@ -42,13 +42,19 @@ from worker.outages import is_outage, is_redis_outage, patiently
 from worker.queue import delivery_queue, job_statuses
 from worker.runner.attempt import run_response
 from worker.runner.deliveries import Deliverer, queue_due
-from worker.runner.recovery import sweep
+from worker.runner.recovery import retention_seconds, sweep
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 
 log = logging.getLogger("respool.worker")
 
 _BEAT_SECONDS = 1.0
+# RQ's own maintenance (expired registry entries, dead workers' records) at RQ's own pace: what must
+# come sooner, abandoned deliveries, the sweep does every maintenance period (`_clean_registries`).
+_RQ_MAINTENANCE_SECONDS = 600
+# An idle pop waits this long: a push wakes it at once, and nothing else waits on it (the periodic
+# work has timers of its own), so an idle worker wakes seldom.
+_POP_SECONDS = 15
 
 
 @dataclass
@@ -72,11 +78,11 @@ class ResponseWorker(BaseWorker):
             worker_ttl=max(30, settings.registry_seconds * 3),
             job_monitoring_interval=settings.registry_seconds,
         )
-        self.maintenance_interval = settings.maintenance_seconds
+        self.maintenance_interval = _RQ_MAINTENANCE_SECONDS
         # RQ's reconnect backoff grows to a minute by default: after an outage, resume sooner.
         self.max_connection_wait_time = float(max(5, settings.maintenance_seconds * 2))
         self._settings = settings
-        self._last_beat = self._last_suspension_check = -math.inf
+        self._last_beat = self._last_suspension_check = self._retention_at = -math.inf
         # Webhook deliveries have slots of their own: slow receivers never take a response's.
         self._delivery_slots = threading.Semaphore(settings.webhook_concurrency)
         self._response_slots = asyncio.Semaphore(concurrency)
@@ -111,8 +117,7 @@ class ResponseWorker(BaseWorker):
 
     @property
     def dequeue_timeout(self) -> int:
-        # Short blocking pops, so maintenance (orphan detection) runs on time while idle.
-        return max(1, self.maintenance_interval)
+        return _POP_SECONDS
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The StartedJobRegistry entry outlives a missed heartbeat or two, not minutes (DESIGN.md §4)."""
@@ -382,7 +387,9 @@ class ResponseWorker(BaseWorker):
 
     async def _sweep(self) -> None:
         """End responses nobody runs any more, and drop stored ones past retention (worker/runner/recovery.py)."""
-        await sweep(self._runtime, self._settings)
+        due = time.monotonic() >= self._retention_at
+        if await sweep(self._runtime, self._settings, retention=due) is not None and due:
+            self._retention_at = time.monotonic() + retention_seconds(self._settings)
         lock_ms = int(self._settings.maintenance_seconds * 1000)
         if await self._runtime.redis.set(
             registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
