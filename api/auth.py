@@ -97,7 +97,8 @@ class Keys:
         return owner
 
 
-def owner(request: Request) -> str:
-    """FastAPI dependency: the caller's owner."""
+async def owner(request: Request) -> str:
+    """FastAPI dependency: the caller's owner. A coroutine, though it never waits: FastAPI runs a
+    plain function dependency on a thread of its pool, a hop there and back on every request."""
     keys: Keys = request.app.state.keys
     return keys.owner_of(request.headers.get("authorization"))

@@ -384,14 +384,17 @@ class TestRedisComesBackEmpty:
 
 def test_a_frozen_redis_is_a_503_not_a_hang(servers: Restartable, sdk: openai.OpenAI) -> None:
     """While Redis is alive but silent (stopped with SIGSTOP), a create answers 503 after the API's
-    Redis timeout instead of waiting on it for ever, and works again once Redis does."""
+    Redis timeout instead of waiting on it for ever, records nothing (safe to retry), and works
+    again once Redis does."""
     assert servers.redis is not None
+    rows = row_count(servers)
     servers.redis.process.send_signal(signal.SIGSTOP)
     try:
         error = assert_503(lambda: sdk.responses.create(model="synthetic", input="x", background=True))
     finally:
         servers.redis.process.send_signal(signal.SIGCONT)
     assert error.response.headers.get("x-should-retry") != "false"
+    assert row_count(servers) == rows
     fresh = sdk.responses.create(model="synthetic", input="after the freeze", background=True)
     assert settled(sdk, fresh.id).status == "completed"
 
