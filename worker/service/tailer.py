@@ -40,6 +40,10 @@ log = logging.getLogger("respool.tailer")
 
 REPLAY_PAGE = 1000
 TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
+# The wake-up stream outlives a process that died without deleting it by this long; a live process
+# renews that once every `_WAKE_RENEW_SECONDS`, not at every poke.
+_WAKE_TTL_SECONDS = 3600
+_WAKE_RENEW_SECONDS = 600.0
 
 
 # A stream entry as Redis sends it: its id and its fields, `[name, value, ...]`.
@@ -103,6 +107,8 @@ class Tailer:
         self._batch_seconds = batch_seconds
         self._wake = wake_key(uuid.uuid4().hex)
         self._wake_position = "0-0"
+        self._wake_pending = False  # a poke went since the keys of the next read were taken
+        self._wake_renew_at = -math.inf
         self._subscribers: dict[str, set[_Subscriber]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -169,7 +175,13 @@ class Tailer:
         loop = asyncio.get_running_loop()
         subscriber = _Subscriber(position, taken_at=loop.time())
         self._subscribers.setdefault(key, set()).add(subscriber)
-        await self._poke()
+        if not self._wake_pending:  # else the read that poke ends is followed by one with this key
+            self._wake_pending = True
+            try:
+                await self._poke()
+            except BaseException:
+                self._wake_pending = False
+                raise
         timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
         try:
             while True:
@@ -202,10 +214,14 @@ class Tailer:
                     del self._subscribers[key]
 
     async def _poke(self) -> bytes:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self._wake, {"w": "1"}, maxlen=10, approximate=False)
-            pipe.expire(self._wake, 3600)
-            entry, _ = await pipe.execute()
+        """End the blocked read: one XADD to the wake-up stream, sent bare (a pipeline with the
+        key's expiry at every poke was a fifteenth of an API's CPU a short response); the id it
+        added. The expiry is renewed when due (and after Redis was away: it may be a new key)."""
+        entry = await bare_command(self._redis, "XADD", self._wake, "MAXLEN", 10, "*", "w", 1)
+        now = asyncio.get_running_loop().time()
+        if now >= self._wake_renew_at:
+            await bare_command(self._redis, "EXPIRE", self._wake, _WAKE_TTL_SECONDS)
+            self._wake_renew_at = now + _WAKE_RENEW_SECONDS
         return bytes(entry)
 
     async def _run(self) -> None:
@@ -228,12 +244,14 @@ class Tailer:
                     sum(len(subscribers) for subscribers in self._subscribers.values()),
                 )
                 self._end_all(exc)
+                self._wake_renew_at = -math.inf
                 await asyncio.sleep(1)
 
     async def _read_once(self) -> int:
         """One XREAD over every followed stream; how many events it brought them."""
         keys = [self._wake]
         positions = [self._wake_position]
+        self._wake_pending = False  # a subscriber added from here on is not in this read: it pokes
         for key, subscribers in self._subscribers.items():
             keys.append(key)
             positions.append(entry_id(min(subscriber.position for subscriber in subscribers)))

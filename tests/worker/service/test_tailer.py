@@ -126,3 +126,61 @@ async def test_a_follower_hears_of_silence_only_when_there_is_some(backing: Serv
         await events.aclose()
     finally:
         await tailer.stop()
+
+
+async def test_followers_that_join_while_a_wake_up_is_on_its_way_send_none(
+    backing: Servers, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower joining while a wake-up is on its way sends none of its own: the read that wake-up
+    ends is followed by one that has its stream too. Twenty join while the first one's is held:
+    one wake-up, and each hears its next event long before the read's 10 s block would end."""
+    tailer = await _tailer(backing, redis, batch_seconds=0)
+    poke, held, pokes = tailer._poke, asyncio.Event(), []
+
+    async def held_poke() -> bytes:
+        pokes.append(1)
+        await held.wait()
+        return await poke()
+
+    monkeypatch.setattr(tailer, "_poke", held_poke)
+    try:
+        ids = [f"resp_{uuid.uuid4().hex}" for _ in range(20)]
+        followers = []
+        for response_id in ids:
+            await _append(redis, response_id, 0, "response.created")
+            events = tailer.follow(response_id)
+            assert (await _next(events)).sequence_number == 0  # the replay's
+            followers.append(events)
+        waiting = [asyncio.ensure_future(_next(events)) for events in followers]  # each goes live
+        await asyncio.sleep(0.2)
+        assert len(pokes) == 1
+        held.set()
+        await asyncio.sleep(0.2)
+        for response_id in ids:
+            await _append(redis, response_id, 1)
+        got = await asyncio.wait_for(asyncio.gather(*waiting), 3)
+        assert [event.sequence_number for event in got] == [1] * len(ids)
+        assert len(pokes) == 1
+        for events in followers:
+            await events.aclose()
+    finally:
+        await tailer.stop()
+
+
+async def test_the_wake_up_stream_expires_if_its_process_dies(backing: Servers, redis: Redis) -> None:
+    """The wake-up stream has an expiry from the tailer's start, kept as followers poke it."""
+    tailer = await _tailer(backing, redis, batch_seconds=0)
+    try:
+        assert await redis.ttl(tailer._wake) > 0
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        events = tailer.follow(response_id)
+        assert (await _next(events)).sequence_number == 0
+        waiting = asyncio.ensure_future(_next(events))
+        await asyncio.sleep(0.1)
+        await _append(redis, response_id, 1)
+        assert (await waiting).sequence_number == 1
+        assert await redis.ttl(tailer._wake) > 0
+        await events.aclose()
+    finally:
+        await tailer.stop()
