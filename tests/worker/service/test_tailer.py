@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -38,6 +38,16 @@ async def _next(events: AsyncIterator[Event | None]) -> Event:
     event = await asyncio.wait_for(anext(events), 10)
     assert event is not None
     return event
+
+
+async def _followed_past_its_start(
+    tailer: Tailer, redis: Redis, response_id: str
+) -> AsyncGenerator[Event | None]:
+    """A follower of a new stream, past its first event (the replay's): its next read is live."""
+    await _append(redis, response_id, 0, "response.created")
+    events = tailer.follow(response_id)
+    assert (await _next(events)).sequence_number == 0
+    return events
 
 
 async def test_a_lone_stream_is_relayed_event_by_event_without_waiting(
@@ -76,12 +86,7 @@ async def test_under_load_one_read_brings_many_streams_events(
     monkeypatch.setattr(tailer, "_read_once", counted)
     try:
         ids = [f"resp_{uuid.uuid4().hex}" for _ in range(3)]
-        followers = []
-        for response_id in ids:
-            await _append(redis, response_id, 0, "response.created")
-            events = tailer.follow(response_id)
-            assert (await _next(events)).sequence_number == 0  # the replay's
-            followers.append(events)
+        followers = [await _followed_past_its_start(tailer, redis, response_id) for response_id in ids]
         waiting = [asyncio.ensure_future(_next(events)) for events in followers]
         await asyncio.sleep(0.2)  # the followers are live: the tailer blocks on their streams
         async with redis.pipeline(transaction=True) as pipe:  # two events at once: one read of two
@@ -145,12 +150,7 @@ async def test_followers_that_join_while_a_wake_up_is_on_its_way_send_none(
     monkeypatch.setattr(tailer, "_poke", held_poke)
     try:
         ids = [f"resp_{uuid.uuid4().hex}" for _ in range(20)]
-        followers = []
-        for response_id in ids:
-            await _append(redis, response_id, 0, "response.created")
-            events = tailer.follow(response_id)
-            assert (await _next(events)).sequence_number == 0  # the replay's
-            followers.append(events)
+        followers = [await _followed_past_its_start(tailer, redis, response_id) for response_id in ids]
         waiting = [asyncio.ensure_future(_next(events)) for events in followers]  # each goes live
         await asyncio.sleep(0.2)
         assert len(pokes) == 1
@@ -173,9 +173,7 @@ async def test_the_wake_up_stream_expires_if_its_process_dies(backing: Servers, 
     try:
         assert await redis.ttl(tailer._wake) > 0
         response_id = f"resp_{uuid.uuid4().hex}"
-        await _append(redis, response_id, 0, "response.created")
-        events = tailer.follow(response_id)
-        assert (await _next(events)).sequence_number == 0
+        events = await _followed_past_its_start(tailer, redis, response_id)
         waiting = asyncio.ensure_future(_next(events))
         await asyncio.sleep(0.1)
         await _append(redis, response_id, 1)
