@@ -57,7 +57,8 @@ class Plan:
     cost_streams: tuple[int, ...] = (30, 100)  # concurrent streams, each started once
     cost_tokens: int = 150
     cost_pace_ms: int = 20
-    cost_requests: int = 400  # short requests (and polls), `cost_concurrency` at a time
+    cost_requests: int = 400  # short requests, `cost_concurrency` at a time
+    cost_polls: int = 400  # polls of an ended response, for a poll's own cost
     cost_concurrency: int = 16
     idle_seconds: float = 10.0  # how long each tree is watched idle (its periodic work comes every 2 s)
 
@@ -78,6 +79,7 @@ class Plan:
             cost_streams=(5, 10),
             cost_tokens=20,
             cost_requests=20,
+            cost_polls=200,  # a poll costs under half a ms: 20 fit in one of /proc's 10 ms ticks
             cost_concurrency=4,
             idle_seconds=0.5,
         )
@@ -288,7 +290,7 @@ async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any
             if background and done.response_ids:
                 before = cpu.read(trees)
                 polled = await load.polls(
-                    target, done.response_ids[0], count=plan.cost_requests, concurrency=plan.cost_concurrency
+                    target, done.response_ids[0], count=plan.cost_polls, concurrency=plan.cost_concurrency
                 )
                 per_poll = cpu.spent(before, cpu.read(trees), idle)["system"] / max(1, polled.polls)
                 result["ms_per_poll"] = round(per_poll * 1000, 3)
