@@ -52,6 +52,7 @@ def response_keys(response_id: str) -> list[str]:
         cancel_key(response_id),
         observed_key(response_id),
         secrets_key(response_id),
+        ticket_key(response_id),
     ]
 
 
@@ -67,6 +68,13 @@ def secrets_key(response_id: str) -> str:
     """The secrets a response's `mcp` tools carry (`headers`, `authorization`), JSON per server
     label: kept out of its row and events, read by the worker that runs it (DESIGN.md §10)."""
     return f"{PREFIX}:{{{response_id}}}:secrets"
+
+
+def ticket_key(response_id: str) -> str:
+    """The response's row as the API recorded it (`store.ticket`), from its enqueue until a worker
+    takes it (GETDEL) or a few seconds pass: that worker calls the upstream while Postgres moves the
+    row to `in_progress`, and appends nothing before it has (DESIGN.md §2, step 3)."""
+    return f"{PREFIX}:{{{response_id}}}:ticket"
 
 
 def rate_key(owner: str) -> str:

@@ -4,8 +4,11 @@ Responses go through respool's own queue: a Redis list of response ids (`queue_k
 it a sorted set of every response the queue holds (`held_key`): waiting (+inf), or running, scored
 by when its holder must have renewed its lease by. A worker pops an id into a list of its own
 (`taking_key`: a worker killed between the pop and the lease loses nothing) and, in one round trip,
-takes it out of that list, sets its deadline and takes the lease. The request, the conversation and
-every secret stay out of Redis's queue (DESIGN.md §8): only the id is queued.
+takes it out of that list, sets its deadline and takes the lease. Only the id is queued; beside it,
+for a few seconds, the row as recorded (its ticket, `store.ticket`: no secret is in a row), which
+that round trip takes too, so the worker can call the upstream before Postgres has started the
+row. A ticket is an optimisation only: without one (too large, expired, or taken by a worker that
+died) the worker reads the row.
 
 RQ's job records (a hash a job, its registries, executions and results: about 30 commands and
 1.5 ms of a worker's CPU a response) are kept for webhook deliveries only, which are RQ jobs on
@@ -18,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis as AsyncRedis
@@ -29,13 +32,17 @@ from rq.serializers import JSONSerializer
 
 from worker.events.lease import FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, add_events
-from worker.keys import held_key, queue_key, queued_key, secrets_key, taking_key, workers_key
+from worker.keys import held_key, queue_key, queued_key, secrets_key, taking_key, ticket_key, workers_key
 
 # A delivery attempt's job function, as RQ records it (respool's worker runs it itself).
 DELIVERY_FUNCTION = "worker.runner.deliver_job"
 # A delivery may take long; the worker's own timeouts bound it, not RQ's job timeout.
 JOB_TIMEOUT = -1
 RESULT_TTL = 600
+# A ticket is kept this long: a response that waits longer than that for a worker has no use for
+# the millisecond it saves, and the tickets a backlog holds stay bounded.
+TICKET_SECONDS = 10
+TICKET_MAX_BYTES = 64 * 1024  # a Codex CLI first request takes 45 KiB
 
 # KEYS: queue, held. ARGV: response id. Takes a response that no worker has taken out of the queue.
 _REMOVE_QUEUED = """
@@ -74,6 +81,14 @@ end
 _QUEUED_KEY_AROUND = tuple(queued_key("\n").split("\n"))
 
 
+class Started(NamedTuple):
+    """A response a worker has started: its lease, the stream's newest entry, and its ticket."""
+
+    lease: Lease
+    newest: FlatEntry | None
+    ticket: bytes | None
+
+
 class ResponseQueue:
     """One queue of responses (`RESPOOL_QUEUE`) on an asyncio client."""
 
@@ -87,13 +102,20 @@ class ResponseQueue:
         self.deadline_seconds = deadline_seconds
 
     async def enqueue(
-        self, response_id: str, first_events: list[Event], secrets: tuple[bytes, int] | None = None
+        self,
+        response_id: str,
+        first_events: list[Event],
+        secrets: tuple[bytes, int] | None = None,
+        ticket: bytes | None = None,
     ) -> None:
         """Append the response's first events and queue it, in one MULTI (DESIGN.md §2.1); with
-        `secrets` (its tools' secrets, and how many seconds to keep them), those too."""
+        `secrets` (its tools' secrets, and how many seconds to keep them), those too, and its
+        `ticket` if it has one."""
         async with self.redis.pipeline(transaction=True) as pipe:
             if secrets is not None:
                 pipe.set(secrets_key(response_id), secrets[0], ex=secrets[1])
+            if ticket is not None:
+                pipe.set(ticket_key(response_id), ticket, ex=TICKET_SECONDS)
             add_events(pipe, response_id, first_events)
             pipe.set(queued_key(response_id), self.name)
             pipe.zadd(self.held, {response_id: math.inf})
@@ -108,7 +130,7 @@ class ResponseQueue:
         """Take a response that no worker has taken out of the queue; False if a worker has it."""
         if not await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id):
             return False
-        await self.redis.delete(queued_key(response_id))
+        await self.redis.delete(queued_key(response_id), ticket_key(response_id))
         return True
 
     async def forget(self, response_id: str) -> None:
@@ -125,19 +147,19 @@ class ResponseQueue:
         )
         return None if popped is None else _decoded(popped)
 
-    async def start(
-        self, leases: Leases, response_id: str, worker: str
-    ) -> tuple[Lease, FlatEntry | None] | None:
+    async def start(self, leases: Leases, response_id: str, worker: str) -> Started | None:
         """Take the response out of `worker`'s taking list, give it a deadline, and take its lease
-        with the stream's newest entry, in one round trip and one transaction (the response is never
-        out of the list without its deadline); None while another holder's lease is alive (it renews
-        the deadline then)."""
+        with the stream's newest entry and its ticket, in one round trip and one transaction (the
+        response is never out of the list without its deadline); None while another holder's lease
+        is alive (it renews the deadline then; the ticket is gone either way)."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lrem(taking_key(self.name, worker), 0, response_id)
             pipe.zadd(self.held, {response_id: _ms(time.time() + self.deadline_seconds)})
+            pipe.getdel(ticket_key(response_id))
             leases.acquire_commands(pipe, response_id, worker)
             replies = await pipe.execute()
-        return acquired(response_id, worker, replies[-1])
+        taken = acquired(response_id, worker, replies[-1])
+        return None if taken is None else Started(*taken, replies[-2])
 
     async def finished(self, leases: Leases, lease: Lease) -> None:
         """The response has ended: give its lease back and drop it from what the queue holds."""

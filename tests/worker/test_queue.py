@@ -14,8 +14,17 @@ from tests.support.stack import Servers
 from worker.connections import blocking_client
 from worker.events.lease import Leases
 from worker.events.stream import encode, read_events
-from worker.keys import held_key, lease_key, queue_key, queued_key, secrets_key, taking_key, workers_key
-from worker.queue import ResponseQueue, held_by_a_queue
+from worker.keys import (
+    held_key,
+    lease_key,
+    queue_key,
+    queued_key,
+    secrets_key,
+    taking_key,
+    ticket_key,
+    workers_key,
+)
+from worker.queue import TICKET_SECONDS, ResponseQueue, held_by_a_queue
 
 pytestmark = pytest.mark.integration
 
@@ -73,15 +82,17 @@ async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_
     redis: Redis, queue: ResponseQueue, popper: Redis
 ) -> None:
     first, second = _ids(2)
-    for rid in (first, second):
-        await queue.enqueue(rid, [])
+    await queue.enqueue(first, [], ticket=b'{"row": 1}')
+    await queue.enqueue(second, [])
+    assert 0 < await redis.ttl(ticket_key(first)) <= TICKET_SECONDS
     assert await queue.take(popper, "w1", 1.0) == first  # in order
     assert await redis.lrange(taking_key(queue.name, "w1"), 0, -1) == [first.encode()]
     leases = Leases(redis, 6.0)
     started = await queue.start(leases, first, "w1")
     assert started is not None
-    lease, newest = started
-    assert (lease.attempt, newest) == (1, None)
+    lease, newest, ticket = started
+    assert (lease.attempt, newest, ticket) == (1, None, b'{"row": 1}')
+    assert await redis.exists(ticket_key(first)) == 0  # taken: a later start reads the row
     assert await redis.get(lease_key(first)) == b"1:w1"
     assert await redis.llen(taking_key(queue.name, "w1")) == 0
     held = await _held(redis, queue)
@@ -122,9 +133,10 @@ async def test_only_a_response_still_waiting_can_be_removed(
 ) -> None:
     waiting, taken = _ids(2)
     await queue.enqueue(taken, [])
-    await queue.enqueue(waiting, [])
+    await queue.enqueue(waiting, [], ticket=b"{}")
     assert await queue.take(popper, "w1", 1.0) == taken
     assert await queue.remove_queued(waiting) is True
+    assert await redis.exists(ticket_key(waiting)) == 0
     assert await queue.remove_queued(taken) is False  # a worker has it: its cancel flag stops it
     assert await queue.remove_queued(waiting) is False
     assert await _waiting(redis, queue) == []

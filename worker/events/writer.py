@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError as RedisResponseError
 
-from worker.errors import CancelRequestedError, FencedOutError
+from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
 from worker.events.lease import Lease
 from worker.events.stream import AppendResult, Event, EventLog, Outcome, encode, expire_response
 from worker.outages import is_outage, patiently
@@ -32,7 +32,7 @@ class ResponseWriter:
 
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
-    per batch, not per chunk. Its appends are handed to the event log with a callback, not a task
+    per batch, not per chunk. A writer may be held (`hold`): then nothing goes until it may. Its appends are handed to the event log with a callback, not a task
     and a future each (a token's append would cost both). `drain` waits for all of them; a failed
     append is raised by the next `send` or `drain`.
     """
@@ -56,13 +56,36 @@ class ResponseWriter:
         self._retry_until = 0.0  # while an append meets an outage: until when it is tried again
         self._retry_delay = 0.0
         self._abandoned = False
+        self._gate: asyncio.Future[bool] | None = None  # while held: what says whether it may append
+        self._refused: NotStartedError | None = None  # the gate said no: raised once
+
+    def hold(self, gate: asyncio.Future[bool]) -> None:
+        """Append nothing until `gate` is done. If it says yes (True), what was sent meanwhile goes
+        at once; otherwise (False, an error, cancelled) it is dropped, and the next `send`, `drain`
+        or `emit` raises `NotStartedError`. An attempt that starts generating before Postgres has
+        started the response is held on that (DESIGN.md §2, step 3)."""
+        self._gate = gate
+        gate.add_done_callback(self._opened)
+
+    def _opened(self, gate: asyncio.Future[bool]) -> None:
+        if self._gate is not gate:
+            return
+        self._gate = None
+        if not gate.cancelled() and gate.exception() is None and gate.result():
+            if self._pending and self._inflight is None and self._failure is None:
+                self._submit()
+                return
+        else:
+            self._pending.clear()
+            self._refused = NotStartedError(self.lease.response_id)
+        self._wake()
 
     def send(self, events: list[dict[str, Any]]) -> None:
         """Append `events` after those sent before, without waiting (see `drain`)."""
         self._raise_failure()
         self._abandoned = False
         self._pending += events
-        if self._inflight is None and self._pending:
+        if self._inflight is None and self._gate is None and self._pending:
             self._submit()
 
     async def drain(self) -> None:
@@ -74,23 +97,26 @@ class ResponseWriter:
         """Wait until what was sent is appended or an append fails, whatever it meets: then
         `next_sequence` is where the stream ends."""
         await self._landing()
-        self._failure = None
+        self._failure = self._refused = None
 
     async def abandon(self) -> None:
         """Stop appending what was sent (the attempt is over). An append already sent may still land:
         whoever writes next reads where the stream ends (`_ensure_terminal`)."""
         self._pending.clear()
         self._abandoned = True
-        self._failure = None
+        self._failure = self._refused = None
 
     def _raise_failure(self) -> None:
+        if self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise refused
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
 
     async def _landing(self) -> None:
-        """Until nothing is in flight (what was sent meanwhile included)."""
-        while self._inflight is not None:
+        """Until the writer is not held and nothing is in flight (what was sent meanwhile included)."""
+        while self._gate is not None or self._inflight is not None:
             if self._idle is None:
                 self._idle = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._idle)
@@ -176,6 +202,9 @@ class ResponseWriter:
         final append). With `retain_seconds` (a final append), the response's keys are kept that
         long from then on (`expire_response`, in the same round trip)."""
         await self._landing()  # after what `send` has in flight
+        if self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise refused
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds)
         self._counted(encoded)

@@ -151,6 +151,7 @@ SET status = '{Status.IN_PROGRESS}', attempt = %(new_attempt)s, started_at = now
 WHERE id = %(rid)s AND attempt < %(new_attempt)s AND status IN ({LIVE_STATUSES})
 RETURNING {_RETURNED}
 """
+_CLAIM_ATTEMPT = _START_ATTEMPT.replace(f"RETURNING {_RETURNED}", "")
 _FENCED = f"id = %(rid)s AND attempt = %(held_attempt)s AND status = '{Status.IN_PROGRESS}'"
 _MARK_FINISHED = f"""
 UPDATE response
@@ -223,6 +224,42 @@ async def start_attempt(conn: Connection, response_id: str, attempt: int) -> Sto
     cursor = await (await driver(conn)).execute(_START_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
     row = await cursor.fetchone()
     return None if row is None else _stored(row)
+
+
+async def claim_attempt(conn: Connection, response_id: str, attempt: int) -> bool:
+    """`start_attempt` for a worker that holds the row already (its ticket): whether it may run."""
+    cursor = await (await driver(conn)).execute(_CLAIM_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
+    return cursor.rowcount == 1
+
+
+# A ticket: a new row's columns that `StoredResponse` holds, for the worker that takes the
+# response (queue.ResponseQueue.enqueue), so that it need not wait for Postgres to read them.
+_TICKET_FIELDS = (
+    "owner",
+    "background",
+    "store",
+    "stream",
+    "request",
+    "conversation",
+    "response",
+    "chain_depth",
+    "conversation_id",
+)
+
+
+def ticket(row: dict[str, Any], max_bytes: int) -> bytes | None:
+    """A new row (`new_row`) as a ticket, if it takes at most `max_bytes`."""
+    encoded = orjson.dumps({name: row[name] for name in _TICKET_FIELDS})
+    return encoded if len(encoded) <= max_bytes else None
+
+
+def from_ticket(response_id: str, encoded: bytes, attempt: int) -> StoredResponse:
+    """What `start_attempt` reads of the row a ticket tells, once `claim_attempt` has moved it."""
+    fields = orjson.loads(encoded)
+    response = {**fields.pop("response"), "status": Status.IN_PROGRESS.value}
+    return StoredResponse(
+        id=response_id, status=Status.IN_PROGRESS, response=response, attempt=attempt, **fields
+    )
 
 
 async def mark_finished(conn: Connection, response_id: str, attempt: int, response: dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from worker.errors import (
     CancelRequestedError,
     FencedOutError,
     MidStreamError,
+    NotStartedError,
     ToolError,
     UpstreamError,
     redact,
@@ -41,6 +42,9 @@ from worker.translation.chat_tools import ServerTool
 
 log = logging.getLogger("respool.runner")
 
+# The newest event of a response no worker has started: only the API's first events are in its stream.
+_FRESH = frozenset({"response.created", "response.queued"})
+
 WORKER_LOST = (
     "The worker running this response stopped after it had started streaming output; running it "
     "again would repeat that output, so it was ended here. Retry the request."
@@ -55,12 +59,15 @@ async def run_response(rt: Runtime, response_id: str) -> RunEnd:
     if acquired is None:
         log.warning("response %s is held by another live holder; not running it", response_id)
         return RunEnd.BUSY
-    lease, last = acquired
+    lease, last, ticket = acquired
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
     rt.held[response_id] = lease
     end: RunEnd | None = None
     try:
-        await _run_attempt(rt, lease, last)
+        if ticket is not None and last is not None and last.type in _FRESH:
+            await _run_ahead(rt, lease, last, store.from_ticket(response_id, ticket, lease.attempt))
+        else:
+            await _run_attempt(rt, lease, last)
         end = RunEnd.FINISHED
     except FencedOutError:
         log.warning("response %s: attempt %d was fenced out", response_id, lease.attempt)
@@ -98,18 +105,18 @@ async def _let_go(rt: Runtime, lease: Lease, end: RunEnd | None) -> None:
         await rt.leases.release(lease)
 
 
-async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None] | None:
-    """A new lease and the stream's newest event, waiting out a holder that is gone but whose lease
-    has not expired yet (a frozen worker whose response the sweep put back). None if a live holder
-    keeps renewing it."""
+async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None, bytes | None] | None:
+    """A new lease, the stream's newest event and the response's ticket (if it still had one),
+    waiting out a holder that is gone but whose lease has not expired yet (a frozen worker whose
+    response the sweep put back). None if a live holder keeps renewing it."""
     deadline = time.monotonic() + rt.leases.ttl_seconds + 1
     start = partial(rt.queue.start, rt.leases, response_id, rt.holder)
-    while (acquired := await _patiently(rt, start)) is None:
+    while (started := await _patiently(rt, start)) is None:
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.5)
-    lease, newest = acquired
-    return lease, None if newest is None else decode_flat(*newest)
+    newest = None if started.newest is None else decode_flat(*started.newest)
+    return started.lease, newest, started.ticket
 
 
 async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
@@ -131,6 +138,29 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
     except Exception:
         log.exception("response %s: could not record the failure; recovery will end it", lease.response_id)
         return False
+
+
+async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
+    """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
+    call starts while Postgres moves the row to `in_progress` under this attempt, and nothing is
+    appended before it has (the writer is held: DESIGN.md §2, step 3). Should Postgres refuse (the
+    response was cancelled or deleted meanwhile), the call is dropped and the stream ended as stored."""
+    claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
+    writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
+    writer.hold(claiming)
+    # The claim's statement goes first: Postgres runs it while this builds the upstream request.
+    await asyncio.sleep(0)
+    try:
+        final = await _produce(rt, writer, stored, stored.response, announced=False)
+    except NotStartedError:
+        final = None
+    except BaseException:
+        claiming.cancel()
+        raise
+    if not await claiming or final is None:
+        await _end_as_stored(rt, writer)
+        return
+    await _finish(rt, writer, stored, final)
 
 
 async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
@@ -452,6 +482,12 @@ async def _patiently[T](rt: Runtime, action: Callable[[], Awaitable[T]]) -> T:
 async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
     async with rt.direct.connection() as conn:
         return await store.get_response(conn, response_id)
+
+
+async def _claim(rt: Runtime, lease: Lease) -> bool:
+    """Whether the row moved to `in_progress` under this attempt (store.claim_attempt)."""
+    async with rt.direct.connection() as conn:
+        return await store.claim_attempt(conn, lease.response_id, lease.attempt)
 
 
 async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:

@@ -52,7 +52,7 @@ from worker.protocol.conversations import conversation_id
 from worker.protocol.items import check_tool_outputs, normalize_input, page
 from worker.protocol.request import CreateRequest, parse_create_request
 from worker.protocol.response import LIVE, TERMINAL, Status, build_response, with_status
-from worker.queue import ResponseQueue, delivery_queue
+from worker.queue import TICKET_MAX_BYTES, ResponseQueue, delivery_queue
 from worker.routing import Route, Routes, load_routes
 from worker.service import chains
 from worker.service.cancellation import Cancellation
@@ -216,7 +216,7 @@ class ResponseService:
                 await store.insert_response(conn, row, own_items)
         finally:
             _discard(redis_answers)
-        await self._enqueue(owner, request, response, secrets)
+        await self._enqueue(owner, request, response, secrets, store.ticket(row, TICKET_MAX_BYTES))
         return response
 
     async def _conversation_history(
@@ -304,7 +304,12 @@ class ResponseService:
             )
 
     async def _enqueue(
-        self, owner: str, request: CreateRequest, response: dict[str, Any], secrets: bytes | None
+        self,
+        owner: str,
+        request: CreateRequest,
+        response: dict[str, Any],
+        secrets: bytes | None,
+        ticket: bytes | None,
     ) -> None:
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
@@ -312,7 +317,7 @@ class ResponseService:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         try:
             kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
-            await self.queue.enqueue(response["id"], first, kept)
+            await self.queue.enqueue(response["id"], first, kept, ticket)
         except RedisError as exc:
             # The row is committed, so the SDK must not retry; and whether the job reached the queue
             # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.

@@ -168,3 +168,24 @@ async def test_a_response_is_inserted_started_and_finished_through_either_connec
             assert [item["id"] for item in await store.own_input_items(sa, response_id)] == ["msg_1"]
     finally:
         await engine.dispose()
+
+
+async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_it(pool: DirectPool) -> None:
+    """A worker holding a response's ticket knows the row as `start_attempt` would read it; its
+    claim moves the row as the start does, and no second claim of that attempt (or an older one)
+    succeeds. A ticket over its size bound is not made."""
+    tickets = {}
+    async with pool.connection() as conn:
+        for response_id in ("resp_ticket_started", "resp_ticket_claimed"):
+            row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued", "n": 1.5}}
+            await store.insert_response(conn, row, row["conversation"])
+            ticket = store.ticket(row, 4096)
+            assert ticket is not None and store.ticket(row, len(ticket) - 1) is None
+            tickets[response_id] = ticket
+        started = await store.start_attempt(conn, "resp_ticket_started", 3)
+        assert started == store.from_ticket("resp_ticket_started", tickets["resp_ticket_started"], 3)
+        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2)
+        assert not await store.claim_attempt(conn, "resp_ticket_claimed", 2)
+        assert not await store.claim_attempt(conn, "resp_ticket_claimed", 1)
+        claimed = await store.get_response(conn, "resp_ticket_claimed")
+        assert claimed == store.from_ticket("resp_ticket_claimed", tickets["resp_ticket_claimed"], 2)

@@ -29,7 +29,7 @@ from tests.support.faults import (
 from tests.support.queue import QueueView
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
-from worker.keys import events_key, workers_key
+from worker.keys import events_key, ticket_key, workers_key
 from worker.runner.attempt import WORKER_LOST
 from worker.runner.recovery import GIVEN_UP
 
@@ -359,23 +359,28 @@ def _blocked_pops(redis: Redis, pid: int) -> int:
     )
 
 
+def _freeze_while_popping(lab: Lab, name: str) -> None:
+    """Freeze worker `name` (SIGSTOP) while both its blocking pops (responses, webhooks) wait."""
+    pid = lab.stack.processes[name].pid
+
+    def frozen_while_popping() -> bool:
+        signal_process(lab.stack, name, STOP)
+        if _blocked_pops(lab.redis, pid) == 2:
+            return True
+        signal_process(lab.stack, name, CONT)  # between two pops: try again
+        time.sleep(0.3)
+        return False
+
+    wait_for(frozen_while_popping, timeout=30, what="the worker frozen inside both its blocking pops")
+
+
 def test_a_response_popped_by_a_worker_killed_before_it_started_it_is_run(lab: Lab) -> None:
     """A worker frozen while both its pops (responses, webhooks) wait is handed a response anyway
     (Redis serves a blocking pop on its side), and is killed -9 before it starts it. The response is
     in the worker's taking list, not lost: once the worker's time is past (aged here: that is time),
     the survivor's sweep puts it back and it completes."""
     doomed = lab.start("doomed")
-    pid = lab.stack.processes["doomed"].pid
-
-    def frozen_while_popping() -> bool:
-        signal_process(lab.stack, "doomed", STOP)
-        if _blocked_pops(lab.redis, pid) == 2:
-            return True
-        signal_process(lab.stack, "doomed", CONT)  # between two pops: try again
-        time.sleep(0.3)
-        return False
-
-    wait_for(frozen_while_popping, timeout=30, what="the worker frozen inside both its blocking pops")
+    _freeze_while_popping(lab, "doomed")
     (response_id,) = lab.create(lab.model, 1)
     queue = QueueView(lab.redis, lab.stack.env["RESPOOL_QUEUE"])
     wait_for(lambda: queue.taking(doomed) == [response_id], what="the response popped by the frozen worker")
@@ -386,3 +391,37 @@ def test_a_response_popped_by_a_worker_killed_before_it_started_it_is_run(lab: L
     statuses = wait_until_ended(lab.sdk, [response_id], timeout=60)
     assert statuses == {response_id: "completed"}
     assert doomed not in queue.workers() and queue.taking(doomed) == []
+
+
+def test_a_response_cancelled_after_its_worker_popped_it_appends_nothing_from_its_ticket(lab: Lab) -> None:
+    """A worker frozen inside its pops is handed a response (with its ticket: the row as recorded),
+    and the response is cancelled before the worker thaws: Postgres records the cancel; the queue no
+    longer holds it to remove. Thawed, the worker starts it from its ticket, calling the upstream
+    while Postgres refuses the attempt: nothing the upstream sent reaches the stream, which ends as
+    the cancelled row."""
+    model = "ticket-cancelled"
+    lab.upstream.script(model, {"text": "never told " * 4, "delay": 0.2})
+    popper = lab.start("popper")
+    _freeze_while_popping(lab, "popper")
+    (response_id,) = lab.create(model, 1)
+    queue = QueueView(lab.redis, lab.stack.env["RESPOOL_QUEUE"])
+    wait_for(lambda: queue.taking(popper) == [response_id], what="the response popped by the frozen worker")
+    assert lab.redis.exists(ticket_key(response_id)) == 1
+    assert lab.sdk.responses.cancel(response_id).status == "cancelled"
+    signal_process(lab.stack, "popper", CONT)
+    wait_for(lambda: lab.upstream.requests(model), timeout=30, what="the upstream called from the ticket")
+    wait_for(lambda: _has_ended(lab.redis, response_id), timeout=30, what="the stream ended")
+    types = [fields[b"t"].decode() for _, fields in lab.redis.xrange(events_key(response_id))]
+    assert types == ["response.created", "response.queued", "response.failed"]
+    assert lab.redis.exists(ticket_key(response_id)) == 0
+    stored = check_ended(lab.sdk, response_id)
+    assert (stored["status"], stored["output"]) == ("cancelled", [])
+
+
+def _has_ended(redis: Redis, response_id: str) -> bool:
+    newest = redis.xrevrange(events_key(response_id), count=1)
+    return bool(newest) and newest[0][1][b"t"] in {
+        b"response.completed",
+        b"response.failed",
+        b"response.incomplete",
+    }
