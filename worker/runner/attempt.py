@@ -26,7 +26,7 @@ from worker.errors import (
     redact,
 )
 from worker.events.lease import Lease
-from worker.events.stream import Event, decode_flat, last_event, read_events, start_over
+from worker.events.stream import Event, decode_flat, expire_response, last_event, read_events, start_over
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
 from worker.outages import patiently
 from worker.postgres import conversations, store
@@ -460,9 +460,13 @@ def _fault_kind(exc: UpstreamError) -> str:
 
 
 async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
-    """Another outcome (a cancel) won in Postgres: end the stream with what is stored there."""
+    """Another outcome (a cancel) won in Postgres: end the stream with what is stored there. A
+    response with no row (deleted, or taken back by a create whose enqueue failed after all) has
+    nothing to tell: its keys are left to expire."""
     stored = await _patiently(rt, partial(_read, rt, writer.lease.response_id))
-    if stored is not None and stored.status in TERMINAL:
+    if stored is None:
+        await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
+    elif stored.status in TERMINAL:
         last = await last_event(rt.redis, stored.id)
         await end_stream(writer, stored.response, last, rt.stream_ttl_seconds)
 

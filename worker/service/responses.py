@@ -6,7 +6,6 @@ takes the caller's `owner`; a response of another owner is "not found", on every
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -182,9 +181,9 @@ class ResponseService:
     ) -> dict[str, Any]:
         """Record the response and enqueue it; its Response as created.
 
-        What the upstream could not be sent is refused before any I/O (`_check_translatable`). Redis
-        must answer before anything is recorded, so that an outage refuses the create safely (the SDK
-        retries it): its PING rides alongside the Postgres work rather than before it.
+        What the upstream could not be sent is refused before any I/O (`_check_translatable`). A
+        Redis outage refuses the create safely (the SDK retries it): the row its enqueue could not
+        follow is taken back (`_enqueue`), so nothing is left recorded; no round trip asks Redis first.
         """
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
@@ -194,28 +193,23 @@ class ResponseService:
         sealer = await self._sealer_for(own_items)
         compaction.check_input(own_items, sealer, owner, native=route.is_native)
         _check_translatable(route, request, own_items, sealer, owner)
-        redis_answers = asyncio.ensure_future(self.redis.ping())
-        try:
-            # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
-            async with self.direct.connection() as conn:
-                history = await chains.history(
-                    conn, owner, request.previous_response_id, self.settings.max_chain_depth
-                )
-                on = None if request.conversation is None else conversation_id(request.conversation)
-                if on is not None:  # DESIGN.md §11: its items come before the input
-                    async with self.autocommit.connect() as reading:
-                        history = await self._conversation_history(reading, owner, on, route, request)
-                conversation = history.items + own_items
-                check_tool_outputs(conversation, len(history.items))
-                # Its items were checked for the kind of upstream its model had; another kind checks them.
-                if history.items and self.routes.native_for(history.model) != route.is_native:
-                    sealer = await self._sealer_for(history.items)
-                    _check_translatable(route, request, history.items, sealer, owner)
-                row = store.new_row(owner, request, response, conversation, history.depth, on)
-                await redis_answers
-                await store.insert_response(conn, row, own_items)
-        finally:
-            _discard(redis_answers)
+        # In autocommit: the history read, then one insert (store.insert_response), one round trip each.
+        async with self.direct.connection() as conn:
+            history = await chains.history(
+                conn, owner, request.previous_response_id, self.settings.max_chain_depth
+            )
+            on = None if request.conversation is None else conversation_id(request.conversation)
+            if on is not None:  # DESIGN.md §11: its items come before the input
+                async with self.autocommit.connect() as reading:
+                    history = await self._conversation_history(reading, owner, on, route, request)
+            conversation = history.items + own_items
+            check_tool_outputs(conversation, len(history.items))
+            # Its items were checked for the kind of upstream its model had; another kind checks them.
+            if history.items and self.routes.native_for(history.model) != route.is_native:
+                sealer = await self._sealer_for(history.items)
+                _check_translatable(route, request, history.items, sealer, owner)
+            row = store.new_row(owner, request, response, conversation, history.depth, on)
+            await store.insert_response(conn, row, own_items)
         await self._enqueue(owner, request, response, secrets, store.ticket(row, TICKET_MAX_BYTES))
         return response
 
@@ -319,14 +313,30 @@ class ResponseService:
             kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
             await self.queue.enqueue(response["id"], first, kept, ticket)
         except RedisError as exc:
-            # The row is committed, so the SDK must not retry; and whether the job reached the queue
-            # is unknown (a timeout may come after Redis ran it): fail the row, so it runs nowhere.
+            # Whether the job reached the queue is unknown (a timeout may come after Redis ran it).
+            # The row is taken back: a job Redis did queue finds none and runs nowhere, and the
+            # SDK's retry creates the response afresh. Should Postgres not let it go, the row is
+            # failed (or the sweep fails it), and the SDK must not retry.
             log.error("response %s: enqueue failed: %s", response["id"], exc)
+            if await self._take_back(response["id"]):
+                raise
             await self._fail_unqueued(owner, response)
             raise UnavailableAfterCommitError(
                 f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
                 "queued, and has been marked failed. Retry the request shortly."
             ) from exc
+
+    async def _take_back(self, response_id: str) -> bool:
+        """Delete a row whose enqueue failed (and its input items); whether it is gone."""
+        try:
+            async with self.autocommit.connect() as conn:
+                await store.delete_response(conn, response_id)
+        except Exception as exc:
+            if not is_postgres_outage(exc):
+                raise
+            log.error("response %s: could not take back the unqueued response", response_id)
+            return False
+        return True
 
     async def _fail_unqueued(self, owner: str, response: dict[str, Any]) -> None:
         try:
@@ -566,14 +576,6 @@ class ResponseService:
         if stored is None or not stored.store:
             raise ResponseNotFoundError(response_id)
         return stored
-
-
-def _discard(future: asyncio.Future[Any]) -> None:
-    """Stop `future` if it still runs, or mark the error it met as seen: the create ended on another."""
-    if not future.done():
-        future.cancel()
-    elif not future.cancelled():
-        future.exception()
 
 
 def _check_translatable(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import openai
 import psutil
 import pytest
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
@@ -29,7 +31,13 @@ from tests.support.faults import (
 from tests.support.queue import QueueView
 from tests.support.stack import Servers, Stack, wait_for
 from tests.support.upstream_process import ScriptedUpstream
-from worker.keys import events_key, ticket_key, workers_key
+from worker.events.stream import encode
+from worker.ids import new_id
+from worker.keys import events_key, queued_key, ticket_key, workers_key
+from worker.postgres import store
+from worker.protocol.request import parse_create_request
+from worker.protocol.response import Status, build_response
+from worker.queue import TICKET_MAX_BYTES, ResponseQueue
 from worker.runner.attempt import WORKER_LOST
 from worker.runner.recovery import GIVEN_UP
 
@@ -425,3 +433,28 @@ def _has_ended(redis: Redis, response_id: str) -> bool:
         b"response.failed",
         b"response.incomplete",
     }
+
+
+@pytest.mark.parametrize("ticketed", [True, False], ids=["ticket", "no-ticket"])
+def test_a_queued_response_whose_row_was_taken_back_runs_nowhere(lab: Lab, ticketed: bool) -> None:
+    """A create whose enqueue timed out after Redis had run it takes its row back (the API's side:
+    tests/api/test_outages.py): the queue holds a response with no row. The worker that takes it,
+    from its ticket or not, runs nothing, lets the queue drop it, and leaves its keys to expire."""
+    request = parse_create_request({"model": lab.model, "input": "taken back", "background": True})
+    response_id = new_id("resp")
+    response = build_response(request, response_id, int(time.time()), Status.QUEUED)
+    row = store.new_row("nobody", request, response, [], 0)
+    first = [encode({"type": "response.created", "response": response}, 0)]
+    queue_name = lab.stack.env["RESPOOL_QUEUE"]
+
+    async def enqueue() -> None:
+        async with AsyncRedis.from_url(lab.stack.env["RESPOOL_REDIS_URL"]) as redis:
+            ticket = store.ticket(row, TICKET_MAX_BYTES) if ticketed else None
+            await ResponseQueue(redis, queue_name).enqueue(response_id, first, ticket=ticket)
+
+    lab.start(f"taker-{ticketed}")
+    asyncio.run(enqueue())
+    wait_for(lambda: lab.redis.ttl(events_key(response_id)) > 0, timeout=30, what="its keys left to expire")
+    assert response_id not in QueueView(lab.redis, queue_name).held()
+    assert lab.redis.exists(queued_key(response_id), ticket_key(response_id)) == 0
+    assert [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))] == [b"response.created"]
