@@ -73,7 +73,7 @@ def secrets_key(response_id: str) -> str:
 def ticket_key(response_id: str) -> str:
     """The response's row as the API recorded it (`store.ticket`), from its enqueue until a worker
     takes it (GETDEL) or a few seconds pass: that worker calls the upstream while Postgres moves the
-    row to `in_progress`, and appends nothing before it has (DESIGN.md §2, step 3)."""
+    row to `in_progress`, and appends nothing before it has (DESIGN.md §2, step 2)."""
     return f"{PREFIX}:{{{response_id}}}:ticket"
 
 

@@ -32,8 +32,9 @@ class ResponseWriter:
 
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
-    per batch, not per chunk. A writer may be held (`hold`): then nothing goes until it may. Its appends are handed to the event log with a callback, not a task
-    and a future each (a token's append would cost both). `drain` waits for all of them; a failed
+    per batch, not per chunk. Its appends are handed to the event log with a callback, not a task
+    and a future each (a token's append would cost both). A held writer (`hold`) appends nothing
+    until it may. `drain` waits for all of them; a failed
     append is raised by the next `send` or `drain`.
     """
 
@@ -63,7 +64,7 @@ class ResponseWriter:
         """Append nothing until `gate` is done. If it says yes (True), what was sent meanwhile goes
         at once; otherwise (False, an error, cancelled) it is dropped, and the next `send`, `drain`
         or `emit` raises `NotStartedError`. An attempt that starts generating before Postgres has
-        started the response is held on that (DESIGN.md §2, step 3)."""
+        started the response is held on that (DESIGN.md §2, step 2)."""
         self._gate = gate
         gate.add_done_callback(self._opened)
 
@@ -71,13 +72,12 @@ class ResponseWriter:
         if self._gate is not gate:
             return
         self._gate = None
-        if not gate.cancelled() and gate.exception() is None and gate.result():
-            if self._pending and self._inflight is None and self._failure is None:
-                self._submit()
-                return
-        else:
+        if gate.cancelled() or gate.exception() is not None or not gate.result():
             self._pending.clear()
             self._refused = NotStartedError(self.lease.response_id)
+        elif self._pending and self._inflight is None and self._failure is None:
+            self._submit()
+            return
         self._wake()
 
     def send(self, events: list[dict[str, Any]]) -> None:
@@ -106,10 +106,13 @@ class ResponseWriter:
         self._abandoned = True
         self._failure = self._refused = None
 
-    def _raise_failure(self) -> None:
+    def _raise_refusal(self) -> None:
         if self._refused is not None:
             refused, self._refused = self._refused, None
             raise refused
+
+    def _raise_failure(self) -> None:
+        self._raise_refusal()
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
@@ -202,9 +205,7 @@ class ResponseWriter:
         final append). With `retain_seconds` (a final append), the response's keys are kept that
         long from then on (`expire_response`, in the same round trip)."""
         await self._landing()  # after what `send` has in flight
-        if self._refused is not None:
-            refused, self._refused = self._refused, None
-            raise refused
+        self._raise_refusal()
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds)
         self._counted(encoded)

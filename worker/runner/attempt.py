@@ -143,7 +143,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
 async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
     """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
     call starts while Postgres moves the row to `in_progress` under this attempt, and nothing is
-    appended before it has (the writer is held: DESIGN.md §2, step 3). Should Postgres refuse (the
+    appended before it has (the writer is held: DESIGN.md §2, step 2). Should Postgres refuse (the
     response was cancelled or deleted meanwhile), the call is dropped and the stream ended as stored."""
     claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
