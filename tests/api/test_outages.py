@@ -409,7 +409,10 @@ def test_a_create_whose_enqueue_times_out_is_taken_back_and_may_be_retried(
     with Redis.from_url(servers.redis_url) as redis:
         # Writes wait (reads do not) longer than the API's 2 s Redis timeout.
         redis.execute_command("CLIENT", "PAUSE", "4000", "WRITE")
-    error = assert_503(lambda: sdk.responses.create(model="synthetic", input="x", background=True))
+        try:
+            error = assert_503(lambda: sdk.responses.create(model="synthetic", input="x", background=True))
+        finally:
+            redis.execute_command("CLIENT", "UNPAUSE")
     assert error.response.headers.get("x-should-retry") != "false"
     assert row_count(servers) == rows
     fresh = sdk.responses.create(model="synthetic", input="after the pause", background=True)
