@@ -3,8 +3,9 @@
 Responses go through respool's own queue: a Redis list of response ids (`queue_key`), and beside
 it a sorted set of every response the queue holds (`held_key`): waiting (+inf), or running, scored
 by when its holder must have renewed its lease by. A worker pops an id into a list of its own
-(`taking_key`: a worker killed between the pop and the lease loses nothing) and, in one round trip,
-takes it out of that list, sets its deadline and takes the lease. Only the id is queued; beside it,
+(`taking_key`: a worker killed between the pop and the lease loses nothing) with a script
+pipelined behind the pop, which Redis runs as soon as the pop is served: it takes the id out of
+that list, sets its deadline and takes the lease (`take_started`). Only the id is queued; beside it,
 for a few seconds, the row as recorded (its ticket, `store.ticket`: no secret is in a row), which
 that round trip takes too, so the worker can call the upstream before Postgres has started the
 row. A ticket is an optimisation only: without one (too large, expired, or taken by a worker that
@@ -30,9 +31,20 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from worker.events.lease import FlatEntry, Lease, Leases, acquired, release_commands
+from worker.events.lease import ACQUIRE_FUNCTION, FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, add_events
-from worker.keys import held_key, queue_key, queued_key, secrets_key, taking_key, ticket_key, workers_key
+from worker.keys import (
+    attempt_key,
+    events_key,
+    held_key,
+    lease_key,
+    queue_key,
+    queued_key,
+    secrets_key,
+    taking_key,
+    ticket_key,
+    workers_key,
+)
 
 # A delivery attempt's job function, as RQ records it (respool's worker runs it itself).
 DELIVERY_FUNCTION = "worker.runner.deliver_job"
@@ -79,6 +91,30 @@ while true do
 end
 """
 _QUEUED_KEY_AROUND = tuple(queued_key("\n").split("\n"))
+
+# KEYS: a worker's taking list, held. ARGV: holder, lease ttl ms, deadline ms from now, then what
+# comes before and after a response id in its lease, attempt, events and ticket keys. Sent right
+# behind the worker's blocking pop, on its connection, so Redis runs it the moment the pop moves a
+# response into the taking list: `ResponseQueue.start`'s work (out of the list, its deadline by
+# Redis's clock, its lease and newest entry, its ticket) without a round trip of its own. An empty
+# list (the pop timed out): nil. Otherwise {the id, the acquire's reply, the ticket}.
+_START_POPPED = (
+    ACQUIRE_FUNCTION
+    + """
+local id = redis.call('LINDEX', KEYS[1], -1)
+if not id then return false end
+local ticket = redis.call('GETDEL', ARGV[10] .. id .. ARGV[11])
+redis.call('LREM', KEYS[1], 0, id)
+local now = redis.call('TIME')
+local deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[3])
+redis.call('ZADD', KEYS[2], deadline, id)
+local lease, attempt = ARGV[4] .. id .. ARGV[5], ARGV[6] .. id .. ARGV[7]
+return {id, acquire(lease, attempt, ARGV[8] .. id .. ARGV[9], ARGV[1], ARGV[2]), ticket}
+"""
+)
+_AROUND = tuple(
+    part for key in (lease_key, attempt_key, events_key, ticket_key) for part in key("\n").split("\n")
+)
 
 
 class Started(NamedTuple):
@@ -141,11 +177,34 @@ class ResponseQueue:
 
     async def take(self, blocking: AsyncRedis, worker: str, timeout_seconds: float) -> str | None:
         """The next response id, popped into `worker`'s taking list (None: none came in time).
-        `blocking` is a client whose reads may wait that long."""
+        `blocking` is a client whose reads may wait that long. (A worker takes with `take_started`;
+        this pop alone leaves what a worker that died before its start would.)"""
         popped = await blocking.execute_command(  # type: ignore[no-untyped-call]
             "BLMOVE", self.key, taking_key(self.name, worker), "LEFT", "RIGHT", timeout_seconds
         )
         return None if popped is None else _decoded(popped)
+
+    async def take_started(
+        self, blocking: AsyncRedis, leases: Leases, worker: str, timeout_seconds: float
+    ) -> tuple[str, Started | None] | None:
+        """`take` and `start` in one round trip (`_START_POPPED`, pipelined behind the pop): the next
+        response id and, unless another holder's lease is alive, its start (None: nothing came in
+        time)."""
+        taking = taking_key(self.name, worker)
+        args: list[str | int] = [worker, leases.ttl_ms, int(self.deadline_seconds * 1000), *_AROUND]
+        async with blocking.pipeline(transaction=False) as pipe:
+            pipe.execute_command("BLMOVE", self.key, taking, "LEFT", "RIGHT", timeout_seconds)
+            pipe.eval(_START_POPPED, 2, taking, self.held, *args)
+            _, started = await pipe.execute(raise_on_error=False)
+        if isinstance(started, Exception):  # the script failed: what the pop took goes back
+            await self.redis.eval(_PUT_BACK, 2, taking, self.key)
+            raise started
+        if started is None:
+            return None
+        popped, reply, ticket = started
+        response_id = _decoded(popped)
+        taken = acquired(response_id, worker, reply)
+        return response_id, None if taken is None else Started(*taken, ticket)
 
     async def start(self, leases: Leases, response_id: str, worker: str) -> Started | None:
         """Take the response out of `worker`'s taking list, give it a deadline, and take its lease

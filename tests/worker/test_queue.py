@@ -4,11 +4,13 @@ keys, and the leases it takes and gives back."""
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from tests.support.stack import Servers
 from worker.connections import blocking_client
@@ -109,6 +111,51 @@ async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_
 
 async def test_an_empty_queue_gives_nothing_after_the_wait(queue: ResponseQueue, popper: Redis) -> None:
     assert await queue.take(popper, "w1", 0.1) is None
+    assert await queue.take_started(popper, Leases(popper, 6.0), "w1", 0.1) is None
+
+
+async def test_a_take_that_starts_leases_what_it_popped_in_the_same_round_trip(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """The pop and the start in one round trip (the start pipelined behind the blocking pop): the
+    response leaves the taking list leased, with a deadline by Redis's clock and its ticket; one
+    whose lease another holder keeps is popped and left for the normal start's wait."""
+    first, second = _ids(2)
+    leases = Leases(redis, 6.0)
+    await queue.enqueue(first, [encode({"type": "response.created"}, 0)], ticket=b"row")
+    await queue.enqueue(second, [])
+    before = time.time()
+    taken = await queue.take_started(popper, leases, "w1", 1.0)
+    assert taken is not None
+    response_id, started = taken
+    assert response_id == first and started is not None
+    assert (started.lease.attempt, started.ticket) == (1, b"row")
+    assert started.newest is not None and started.newest[0] == b"0-1"
+    assert await redis.get(lease_key(first)) == b"1:w1"
+    assert await redis.llen(taking_key(queue.name, "w1")) == 0 and await redis.exists(ticket_key(first)) == 0
+    deadline = (await _held(redis, queue))[first] / 1000
+    assert before + queue.deadline_seconds - 1 < deadline < time.time() + queue.deadline_seconds + 1
+    # Another holder's lease is alive: popped and out of the list, not started.
+    await redis.set(lease_key(second), "7:w9", px=6000)
+    assert await queue.take_started(popper, leases, "w2", 1.0) == (second, None)
+    assert await redis.llen(taking_key(queue.name, "w2")) == 0
+    assert await redis.get(lease_key(second)) == b"7:w9"
+    await redis.delete(lease_key(second), f"respool:{{{first}}}:attempt", f"respool:{{{first}}}:events")
+
+
+async def test_a_take_whose_start_fails_puts_what_it_popped_back(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """Should the start behind the pop fail (here its ticket's key holds a hash), the popped
+    response goes back to the front of the queue, not left in the taking list of a live worker."""
+    (broken,) = _ids(1)
+    await queue.enqueue(broken, [])
+    await redis.hset(ticket_key(broken), "not", "a ticket")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await queue.take_started(popper, Leases(redis, 6.0), "w1", 1.0)
+    assert await redis.llen(taking_key(queue.name, "w1")) == 0
+    assert await _waiting(redis, queue) == [broken]
+    await redis.delete(ticket_key(broken))
 
 
 async def test_a_stopped_response_goes_back_to_the_front_and_its_lease_is_given_back(

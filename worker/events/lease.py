@@ -17,12 +17,15 @@ from worker.keys import attempt_key, events_key, lease_key
 # entry as XREVRANGE gives it (none: an empty list)}, or {0} while another holder is alive. Only a
 # lease's holder appends, so what is newest when the lease is taken stays newest until its holder
 # writes: whoever takes a lease to write learns where the stream ends in the same round trip.
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
-local attempt = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], attempt .. ':' .. ARGV[1], 'PX', ARGV[2])
-return {attempt, redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)}
+ACQUIRE_FUNCTION = """
+local function acquire(lease, attempt_key, events, holder, ttl_ms)
+  if redis.call('EXISTS', lease) == 1 then return {0} end
+  local attempt = redis.call('INCR', attempt_key)
+  redis.call('SET', lease, attempt .. ':' .. holder, 'PX', ttl_ms)
+  return {attempt, redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)}
+end
 """
+_ACQUIRE = ACQUIRE_FUNCTION + "return acquire(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
 
 # A stream entry as Redis sends it inside a script's reply: (entry id, [name, value, ...]).
 type FlatEntry = tuple[bytes, list[bytes]]
@@ -74,6 +77,10 @@ class Leases:
         (`stream.take_lease` decodes it)."""
         reply = await self._acquire(keys=_acquire_keys(response_id), args=[holder, self._ttl_ms])
         return acquired(response_id, holder, reply)
+
+    @property
+    def ttl_ms(self) -> int:
+        return self._ttl_ms
 
     def acquire_commands(self, pipe: Any, response_id: str, holder: str) -> None:
         """Queue `acquire_reading`'s script on `pipe` (its reply is read by `acquired`). Sent whole

@@ -32,6 +32,7 @@ from worker.outages import patiently
 from worker.postgres import conversations, store
 from worker.protocol import compaction, items
 from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finished
+from worker.queue import Started
 from worker.routing import Route, UpstreamApi
 from worker.runner import compacting, summary, tool_loop
 from worker.runner.metrics import WorkerMetrics
@@ -51,11 +52,11 @@ WORKER_LOST = (
 )
 
 
-async def run_response(rt: Runtime, response_id: str) -> RunEnd:
+async def run_response(rt: Runtime, response_id: str, started: Started | None = None) -> RunEnd:
     """Run `response_id`, which this worker took from the queue, to its end under a new lease
-    (DESIGN.md §2, steps 2-3); the queue is told how it ended."""
+    (DESIGN.md §2, steps 2-3), the one its take started if it did; the queue is told how it ended."""
     logs.RESPONSE_ID.set(response_id)  # this task's log lines carry it
-    acquired = await _acquire(rt, response_id)
+    acquired = await _acquire(rt, response_id) if started is None else _read_start(started)
     if acquired is None:
         log.warning("response %s is held by another live holder; not running it", response_id)
         return RunEnd.BUSY
@@ -115,6 +116,10 @@ async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None, 
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.5)
+    return _read_start(started)
+
+
+def _read_start(started: Started) -> tuple[Lease, Event | None, bytes | None]:
     newest = None if started.newest is None else decode_flat(*started.newest)
     return started.lease, newest, started.ticket
 

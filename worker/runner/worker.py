@@ -39,7 +39,7 @@ from worker import logs
 from worker.connections import blocking_client, sync_client
 from worker.keys import cancel_key, registries_lock_key
 from worker.outages import is_outage, is_redis_outage, patiently
-from worker.queue import delivery_queue, job_statuses
+from worker.queue import Started, delivery_queue, job_statuses
 from worker.runner.attempt import run_response
 from worker.runner.deliveries import Deliverer, queue_due
 from worker.runner.recovery import retention_seconds, sweep
@@ -259,7 +259,9 @@ class ResponseWorker(BaseWorker):
         while not self._closing.is_set():
             await self._response_slots.acquire()
             try:
-                response_id = await queue.take(self._popper, self.name, self.dequeue_timeout)
+                taken = await queue.take_started(
+                    self._popper, self._runtime.leases, self.name, self.dequeue_timeout
+                )
             except Exception as exc:
                 self._response_slots.release()
                 if is_outage(exc):
@@ -268,16 +270,17 @@ class ResponseWorker(BaseWorker):
                     log.exception("taking from the response queue failed; retrying")
                 await asyncio.sleep(self._settings.maintenance_seconds)
                 continue
-            if response_id is None:
+            if taken is None:
                 self._response_slots.release()
                 continue
-            task = self._loop.create_task(self._run(response_id))
+            response_id, started = taken
+            task = self._loop.create_task(self._run(response_id, started))
             self._responses[task] = response_id
             task.add_done_callback(self._responses.pop)
 
-    async def _run(self, response_id: str) -> None:
+    async def _run(self, response_id: str, started: Started | None) -> None:
         try:
-            await run_response(self._runtime, response_id)
+            await run_response(self._runtime, response_id, started)
         except Exception:
             log.exception("response %s: its run failed", response_id)
             # One that could not even start (Redis unreachable past the wait) is still in this
