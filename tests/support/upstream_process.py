@@ -57,7 +57,11 @@ class ScriptedUpstream:
         self.process = process
         self.base_url = base_url
         self.url = f"{base_url}/v1"
-        self.client = httpx.Client(base_url=base_url, timeout=10.0)
+        # A connection a call each: a kept-alive one can be closed by the server's idle timeout just
+        # as the next call goes out on it ("Server disconnected without sending a response").
+        self.client = httpx.Client(
+            base_url=base_url, timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0)
+        )
 
     @classmethod
     def start(cls) -> ScriptedUpstream:
