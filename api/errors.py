@@ -122,7 +122,10 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 class RequestIdMiddleware:
-    """Tag every answer with `x-request-id` (the SDK surfaces it as `request_id`, PROTOCOL.md §5.4).
+    """Tag every answer with `x-request-id` (the SDK surfaces it as `request_id`, PROTOCOL.md §5.4),
+    and answer an unexpected error with a 500 in OpenAI's envelope. (Starlette's own handler for
+    `Exception` answers, then raises the error again to the server, which closes the connection:
+    a client could read a reset, not the answer.)
 
     Pure ASGI: Starlette's `BaseHTTPMiddleware` would pass every chunk of a stream through a memory
     channel and a task of its own, which cost more CPU than relaying the event (seen in profiles).
@@ -138,13 +141,22 @@ class RequestIdMiddleware:
         request_id = f"req_{secrets.token_hex(16)}"
         logs.REQUEST_ID.set(request_id)  # every log line about this request carries it
         header = (REQUEST_ID.encode(), request_id.encode())
+        started = False
 
         async def tagged(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
-        await self.app(scope, receive, tagged)
+        try:
+            await self.app(scope, receive, tagged)
+        except Exception as exc:
+            if started:  # part of an answer went: the server can only cut it off
+                raise
+            answer = await _unexpected(Request(scope), exc)
+            await answer(scope, receive, tagged)
 
 
 def install(app: FastAPI, retry_after_seconds: int | None = None) -> None:
@@ -155,5 +167,4 @@ def install(app: FastAPI, retry_after_seconds: int | None = None) -> None:
     app.add_exception_handler(HTTPException, _http)
     for outage in OUTAGE_CLASSES:  # handled inside the middleware, so the answer has its request id
         app.add_exception_handler(outage, _outage)
-    app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(RequestIdMiddleware)

@@ -26,8 +26,9 @@ from sqlalchemy.pool import NullPool
 
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
+from tests.support.queue import QueueView
 from tests.support.stack import Stack, wait_for
-from worker.keys import events_key
+from worker.keys import events_key, queue_key
 from worker.postgres.store import async_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -417,6 +418,62 @@ def test_a_create_whose_enqueue_times_out_is_taken_back_and_may_be_retried(
     assert row_count(servers) == rows
     fresh = sdk.responses.create(model="synthetic", input="after the pause", background=True)
     assert settled(sdk, fresh.id).status == "completed"
+
+
+# Postgres refuses the insert of a create marked so (metadata refuse=yes), as it would one it cannot take.
+_REFUSE_MARKED = """
+CREATE FUNCTION refuse_marked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.request -> 'metadata' ->> 'refuse' = 'yes' THEN RAISE EXCEPTION 'refused for the test'; END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_marked BEFORE INSERT ON response FOR EACH ROW EXECUTE FUNCTION refuse_marked();
+"""
+
+
+def test_a_create_whose_insert_fails_after_its_enqueue_takes_the_response_back(
+    servers: Restartable, faulty: Stack, sdk: openai.OpenAI
+) -> None:
+    """A create queues its response while it inserts the row (DESIGN.md §2.1): when Postgres refuses
+    the insert, the response is taken out of the queue (or, when a worker took it already, stopped
+    by its cancel flag and left to expire), nothing is recorded, and the client gets an error."""
+    engine = sa.create_engine(async_url(servers.database_url), poolclass=NullPool)
+    rows = row_count(servers)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(_REFUSE_MARKED)
+        for _ in range(5):
+            with pytest.raises(openai.InternalServerError):
+                sdk.with_options(max_retries=0).responses.create(
+                    model="synthetic", input="x", metadata={"refuse": "yes"}
+                )
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER refuse_marked ON response; DROP FUNCTION refuse_marked();")
+        engine.dispose()
+    assert row_count(servers) == rows
+    queue = faulty.env["RESPOOL_QUEUE"]
+    with Redis.from_url(servers.redis_url) as redis:
+
+        def refused() -> list[str]:
+            """The refused creates' responses whose first events are still in Redis."""
+            found = []
+            for key in redis.scan_iter(match="respool:{resp_*}:events", count=1000):
+                first = redis.xrange(key, count=1)
+                if first and b'"refuse":"yes"' in first[0][1][b"d"]:
+                    found.append(key.decode().split("{")[1].split("}")[0])
+            return found
+
+        def settled() -> bool:
+            held = QueueView(redis, queue).held()
+            return all(
+                response_id not in held and redis.ttl(events_key(response_id)) > 0
+                for response_id in refused()
+            )
+
+        # Well within the 10 s a worker waits for a row that never came (attempt.ROW_WAIT_SECONDS).
+        wait_for(settled, timeout=7, what="the refused responses out of the queue, their keys expiring")
+        assert not redis.lrange(queue_key(queue), 0, -1)
 
 
 def test_an_api_started_while_redis_is_down_serves_once_it_is_back(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, Literal, cast
 
 import orjson
@@ -151,7 +152,12 @@ SET status = '{Status.IN_PROGRESS}', attempt = %(new_attempt)s, started_at = now
 WHERE id = %(rid)s AND attempt < %(new_attempt)s AND status IN ({LIVE_STATUSES})
 RETURNING {_RETURNED}
 """
-_CLAIM_ATTEMPT = _START_ATTEMPT.replace(f"RETURNING {_RETURNED}", "")
+# Whether it claimed the row, and whether the row was there at all (one the API is still inserting
+# is not yet: its create queues the response while it records it, DESIGN.md §2.1).
+_CLAIM_ATTEMPT = f"""
+WITH claimed AS ({_START_ATTEMPT.replace(f"RETURNING {_RETURNED}", "RETURNING 1")})
+SELECT EXISTS (SELECT 1 FROM claimed), EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)
+"""
 _FENCED = f"id = %(rid)s AND attempt = %(held_attempt)s AND status = '{Status.IN_PROGRESS}'"
 _MARK_FINISHED = f"""
 UPDATE response
@@ -226,10 +232,21 @@ async def start_attempt(conn: Connection, response_id: str, attempt: int) -> Sto
     return None if row is None else _stored(row)
 
 
-async def claim_attempt(conn: Connection, response_id: str, attempt: int) -> bool:
-    """`start_attempt` for a worker that holds the row already (its ticket): whether it may run."""
+class Claim(StrEnum):
+    """What `claim_attempt` found."""
+
+    CLAIMED = "claimed"  # the row is `in_progress` under this attempt: it may run
+    REFUSED = "refused"  # the row is terminal, or a later attempt owns it
+    ABSENT = "absent"  # no row (yet: its create may still be inserting it)
+
+
+async def claim_attempt(conn: Connection, response_id: str, attempt: int) -> Claim:
+    """`start_attempt` for a worker that holds the row already (its ticket), in one statement."""
     cursor = await (await driver(conn)).execute(_CLAIM_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
-    return cursor.rowcount == 1
+    row = await cursor.fetchone()
+    assert row is not None  # the statement returns one row
+    is_claimed, exists = row
+    return Claim.CLAIMED if is_claimed else Claim.REFUSED if exists else Claim.ABSENT
 
 
 # A ticket: a new row's columns that `StoredResponse` holds, for the worker that takes the

@@ -46,6 +46,10 @@ log = logging.getLogger("respool.runner")
 # The newest event of a response no worker has started: only the API's first events are in its stream.
 _FRESH = frozenset({"response.created", "response.queued"})
 
+# How long a worker holding a response's ticket waits for its row: its create inserts it while the
+# response is queued (DESIGN.md §2.1), in a millisecond or so unless Postgres is struggling.
+ROW_WAIT_SECONDS = 10.0
+
 WORKER_LOST = (
     "The worker running this response stopped after it had started streaming output; running it "
     "again would repeat that output, so it was ended here. Retry the request."
@@ -147,14 +151,22 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
 
 async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
     """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
-    call starts while Postgres moves the row to `in_progress` under this attempt, and nothing is
-    appended before it has (the writer is held: DESIGN.md §2, step 2). Should Postgres refuse (the
-    response was cancelled or deleted meanwhile), the call is dropped and the stream ended as stored."""
+    call starts while Postgres moves the row to `in_progress` under this attempt (DESIGN.md §2,
+    step 2), and the attempt records its end only once it has. Should Postgres refuse, what the
+    upstream sent is dropped and the stream ended as stored.
+
+    A background response may be cancelled while it waits in the queue: nothing of it is appended
+    before the claim (the writer is held), so a cancelled one tells no output. A foreground one
+    cannot be (only its client leaving, or its create failing, ends it early: both raise the cancel
+    flag its first append reads), so its events go as they come, the claim not in their way.
+
+    The claim's statement goes once this has sent the upstream request (its first wait): the
+    request is on the first token's path, and the row its create is recording meanwhile has that
+    much longer to land."""
     claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
-    writer.hold(claiming)
-    # The claim's statement goes first: Postgres runs it while this builds the upstream request.
-    await asyncio.sleep(0)
+    if stored.background:
+        writer.hold(claiming)
     try:
         final = await _produce(rt, writer, stored, stored.response, announced=False)
     except NotStartedError:
@@ -162,7 +174,11 @@ async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.Store
     except BaseException:
         claiming.cancel()
         raise
-    if not await claiming or final is None:
+    if final is None:  # cancelled (its row ended, or never came), or refused: told as stored
+        claiming.cancel()
+        await _end_as_stored(rt, writer)
+        return
+    if not await claiming:
         await _end_as_stored(rt, writer)
         return
     await _finish(rt, writer, stored, final)
@@ -494,9 +510,21 @@ async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
 
 
 async def _claim(rt: Runtime, lease: Lease) -> bool:
-    """Whether the row moved to `in_progress` under this attempt (store.claim_attempt)."""
-    async with rt.direct.connection() as conn:
-        return await store.claim_attempt(conn, lease.response_id, lease.attempt)
+    """Whether the row moved to `in_progress` under this attempt (store.claim_attempt), waiting up to
+    `ROW_WAIT_SECONDS` for a row not there yet: its create queues a ticketed response while it
+    inserts the row (DESIGN.md §2.1). One that never comes was taken back (its create failed)."""
+    deadline = time.monotonic() + ROW_WAIT_SECONDS
+    pause = 0.0  # asked again at once, then after 1, 2, 4 ... 100 ms
+    while True:
+        async with rt.direct.connection() as conn:
+            claim = await store.claim_attempt(conn, lease.response_id, lease.attempt)
+        if claim is not store.Claim.ABSENT:
+            return claim is store.Claim.CLAIMED
+        if time.monotonic() >= deadline:
+            log.warning("response %s: no row came for its ticket; not running it", lease.response_id)
+            return False
+        await asyncio.sleep(pause)
+        pause = min(max(pause * 2, 0.001), 0.1)
 
 
 async def _start(rt: Runtime, lease: Lease) -> store.StoredResponse | None:

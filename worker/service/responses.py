@@ -6,12 +6,13 @@ takes the caller's `owner`; a response of another owner is "not found", on every
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import httpx2
 import orjson
@@ -39,10 +40,10 @@ from worker.events.stream import (
     read_events,
 )
 from worker.ids import new_id
-from worker.keys import response_keys
+from worker.keys import cancel_key, response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
-from worker.postgres import conversations, store
+from worker.postgres import conversations, direct, store
 from worker.postgres.direct import DirectPool
 from worker.postgres.keys import compaction_sealer
 from worker.protocol import compaction, tools
@@ -54,7 +55,7 @@ from worker.protocol.response import LIVE, TERMINAL, Status, build_response, wit
 from worker.queue import TICKET_MAX_BYTES, ResponseQueue, delivery_queue
 from worker.routing import Route, Routes, load_routes
 from worker.service import chains
-from worker.service.cancellation import Cancellation
+from worker.service.cancellation import CANCEL_FLAG_SECONDS, Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
 from worker.service.tailer import TAILER_BLOCK_MS, Tailer
@@ -183,7 +184,8 @@ class ResponseService:
 
         What the upstream could not be sent is refused before any I/O (`_check_translatable`). A
         Redis outage refuses the create safely (the SDK retries it): the row its enqueue could not
-        follow is taken back (`_enqueue`), so nothing is left recorded; no round trip asks Redis first.
+        follow is taken back (`_enqueue_failed`), so nothing is left recorded; no round trip asks
+        Redis first.
         """
         response_id = new_id("resp")
         logs.RESPONSE_ID.set(response_id)
@@ -209,9 +211,58 @@ class ResponseService:
                 sealer = await self._sealer_for(history.items)
                 _check_translatable(route, request, history.items, sealer, owner)
             row = store.new_row(owner, request, response, conversation, history.depth, on)
-            await store.insert_response(conn, row, own_items)
-        await self._enqueue(owner, request, response, secrets, store.ticket(row, TICKET_MAX_BYTES))
+            await self._insert_and_enqueue(conn, owner, request, row, own_items, secrets)
         return response
+
+    async def _insert_and_enqueue(
+        self,
+        conn: direct.Connection,
+        owner: str,
+        request: CreateRequest,
+        row: dict[str, Any],
+        own_items: list[dict[str, Any]],
+        secrets: bytes | None,
+    ) -> None:
+        """Insert the row and queue the response (DESIGN.md §2.1).
+
+        With a ticket (the row, for the worker: `store.ticket`) the response is queued first and
+        its row inserted while a worker takes it: the worker calls the upstream without reading the
+        row, and waits for it only to claim it, before it appends anything. Should the insert fail,
+        the response is taken out of the queue (a worker that took it already finds no row, and
+        runs nothing). Without a ticket the worker reads the row: it is inserted first.
+        """
+        response = row["response"]
+        ticket = store.ticket(row, TICKET_MAX_BYTES)
+        if ticket is None:
+            await store.insert_response(conn, row, own_items)
+            await self._enqueue(owner, request, response, secrets, None)
+            return
+        enqueuing = asyncio.ensure_future(self._queue(request, response, secrets, ticket))
+        await asyncio.sleep(0)  # the enqueue's script goes out before the insert is even built
+        try:
+            await store.insert_response(conn, row, own_items)
+        except Exception:
+            await self._unqueue(response["id"], enqueuing)
+            raise
+        try:
+            await enqueuing
+        except RedisError as exc:
+            await self._enqueue_failed(owner, response, exc)
+
+    async def _unqueue(self, response_id: str, enqueuing: asyncio.Future[None]) -> None:
+        """Take a response whose row could not be inserted out of the queue, with its keys; a worker
+        that took it already is stopped by the cancel flag (its claim finds no row: it records
+        nothing). A row an outage may have committed unseen is deleted."""
+        try:
+            await enqueuing
+            if await self.queue.remove_queued(response_id):
+                await self.redis.delete(*response_keys(response_id))
+            else:
+                await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
+        except Exception as exc:  # Redis is away too: nothing queued, or a worker finds no row
+            log.warning("response %s: not taken out of the queue (%s)", response_id, type(exc).__name__)
+        with contextlib.suppress(Exception):
+            await self._take_back(response_id)
 
     async def _conversation_history(
         self, conn: AsyncConnection, owner: str, on: str, route: Route, request: CreateRequest
@@ -305,26 +356,36 @@ class ResponseService:
         secrets: bytes | None,
         ticket: bytes | None,
     ) -> None:
+        """Queue a recorded response; should Redis fail, `_enqueue_failed`."""
+        try:
+            await self._queue(request, response, secrets, ticket)
+        except RedisError as exc:
+            await self._enqueue_failed(owner, response, exc)
+
+    async def _queue(
+        self, request: CreateRequest, response: dict[str, Any], secrets: bytes | None, ticket: bytes | None
+    ) -> None:
+        """The response's first events and its place in the queue (queue.ResponseQueue.enqueue)."""
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
-        try:
-            kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
-            await self.queue.enqueue(response["id"], first, kept, ticket)
-        except RedisError as exc:
-            # Whether the job reached the queue is unknown (a timeout may come after Redis ran it).
-            # The row is taken back: a job Redis did queue finds none and runs nowhere, and the
-            # SDK's retry creates the response afresh. Should Postgres not let it go, the row is
-            # failed (or the sweep fails it), and the SDK must not retry.
-            log.error("response %s: enqueue failed: %s", response["id"], exc)
-            if await self._take_back(response["id"]):
-                raise
-            await self._fail_unqueued(owner, response)
-            raise UnavailableAfterCommitError(
-                f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
-                "queued, and has been marked failed. Retry the request shortly."
-            ) from exc
+        kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
+        await self.queue.enqueue(response["id"], first, kept, ticket)
+
+    async def _enqueue_failed(self, owner: str, response: dict[str, Any], exc: RedisError) -> NoReturn:
+        """Whether the response reached the queue is unknown (a timeout may come after Redis ran
+        it): its row is taken back, so one Redis did queue finds none and runs nowhere, and the
+        SDK's retry creates the response afresh. Should Postgres not let it go, the row is failed
+        (or the sweep fails it), and the SDK must not retry."""
+        log.error("response %s: enqueue failed: %s", response["id"], exc)
+        if await self._take_back(response["id"]):
+            raise exc
+        await self._fail_unqueued(owner, response)
+        raise UnavailableAfterCommitError(
+            f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
+            "queued, and has been marked failed. Retry the request shortly."
+        ) from exc
 
     async def _take_back(self, response_id: str) -> bool:
         """Delete a row whose enqueue failed (and its input items); whether it is gone."""

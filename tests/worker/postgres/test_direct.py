@@ -173,7 +173,7 @@ async def test_a_response_is_inserted_started_and_finished_through_either_connec
 async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_it(pool: DirectPool) -> None:
     """A worker holding a response's ticket knows the row as `start_attempt` would read it; its
     claim moves the row as the start does, and no second claim of that attempt (or an older one)
-    succeeds. A ticket over its size bound is not made."""
+    succeeds; a claim of a row not there (yet) says so. A ticket over its size bound is not made."""
     tickets = {}
     async with pool.connection() as conn:
         for response_id in ("resp_ticket_started", "resp_ticket_claimed"):
@@ -184,8 +184,9 @@ async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_
             tickets[response_id] = ticket
         started = await store.start_attempt(conn, "resp_ticket_started", 3)
         assert started == store.from_ticket("resp_ticket_started", tickets["resp_ticket_started"], 3)
-        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2)
-        assert not await store.claim_attempt(conn, "resp_ticket_claimed", 2)
-        assert not await store.claim_attempt(conn, "resp_ticket_claimed", 1)
+        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2) is store.Claim.CLAIMED
+        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2) is store.Claim.REFUSED
+        assert await store.claim_attempt(conn, "resp_ticket_claimed", 1) is store.Claim.REFUSED
+        assert await store.claim_attempt(conn, "resp_ticket_absent", 1) is store.Claim.ABSENT
         claimed = await store.get_response(conn, "resp_ticket_claimed")
         assert claimed == store.from_ticket("resp_ticket_claimed", tickets["resp_ticket_claimed"], 2)

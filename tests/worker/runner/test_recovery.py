@@ -11,12 +11,14 @@ from pathlib import Path
 
 import openai
 import psutil
+import psycopg
 import pytest
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
+from api.auth import OPEN_OWNER
 from tests.conftest import make_sdk, own_stack
 from tests.support.faults import (
     CONT,
@@ -35,6 +37,7 @@ from worker.events.stream import encode
 from worker.ids import new_id
 from worker.keys import events_key, queued_key, ticket_key, workers_key
 from worker.postgres import store
+from worker.postgres.direct import driver_url
 from worker.protocol.request import parse_create_request
 from worker.protocol.response import Status, build_response
 from worker.queue import TICKET_MAX_BYTES, ResponseQueue
@@ -459,3 +462,41 @@ def test_a_queued_response_whose_row_was_taken_back_runs_nowhere(lab: Lab, ticke
     assert response_id not in QueueView(lab.redis, queue_name).held()
     assert lab.redis.exists(queued_key(response_id), ticket_key(response_id)) == 0
     assert [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))] == [b"response.created"]
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_ticketed_response_taken_before_its_row_landed_waits_for_it(lab: Lab, background: bool) -> None:
+    """A create queues a ticketed response while it inserts the row (DESIGN.md §2.1): a worker that
+    takes it first calls the upstream at once and records the end only after the row came and it
+    claimed it; a background one tells nothing before that (it may have been cancelled meanwhile),
+    a foreground one streams as the upstream answers."""
+    lab.upstream.script(lab.model, {"text": "late but whole"})
+    body = {"model": lab.model, "input": "row comes late", "background": background, "stream": True}
+    request = parse_create_request(body)
+    response_id = new_id("resp")
+    response = build_response(request, response_id, int(time.time()), Status.QUEUED)
+    row = store.new_row(OPEN_OWNER, request, response, [], 0)
+    queue_name = lab.stack.env["RESPOOL_QUEUE"]
+
+    async def enqueue() -> None:
+        async with AsyncRedis.from_url(lab.stack.env["RESPOOL_REDIS_URL"]) as redis:
+            first = [encode({"type": "response.created", "response": response}, 0)]
+            await ResponseQueue(redis, queue_name).enqueue(response_id, first, ticket=store.ticket(row, 4096))
+
+    async def insert() -> None:
+        async with await psycopg.AsyncConnection.connect(
+            driver_url(lab.stack.env["RESPOOL_DATABASE_URL"]), autocommit=True
+        ) as conn:
+            await store.insert_response(conn, row, [])
+
+    lab.start(f"early-{background}")
+    asyncio.run(enqueue())
+    wait_for(lambda: lab.upstream.requests(lab.model), timeout=30, what="the upstream called before the row")
+    time.sleep(1.0)  # the claim meets no row meanwhile (it is asked again and again)
+    told = [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))]
+    assert (told == [b"response.created"]) == background
+    asyncio.run(insert())
+    wait_for(lambda: _has_ended(lab.redis, response_id), timeout=30, what="the response to end")
+    stored = lab.sdk.responses.retrieve(response_id)
+    assert (stored.status, stored.output_text) == ("completed", "late but whole")
+    assert len(lab.upstream.requests(lab.model)) == 1  # called once, before the row, never again
