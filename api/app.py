@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from api import errors, openapi
 from api.auth import Keys
@@ -15,10 +16,21 @@ from api.encoding import JSONAnswer
 from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
 from api.routes import router, websockets
+from api.sse import SERVER_SEND
 from worker.service.responses import ResponseService
 from worker.settings import Settings
 
 log = logging.getLogger("respool.api")
+
+
+class RespoolApp(FastAPI):
+    """The app, handing an HTTP request's scope the server's own `send` (`SERVER_SEND`): an event
+    stream writes its body frames there, past the middleware's wrappers (api/sse.py)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -41,7 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await service.close()
 
-    app = FastAPI(title="respool", lifespan=lifespan, default_response_class=JSONAnswer)
+    app = RespoolApp(title="respool", lifespan=lifespan, default_response_class=JSONAnswer)
     app.state.keys = keys
     app.add_middleware(  # inside the request id
         BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_seconds=settings.body_timeout_seconds
