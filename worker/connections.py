@@ -58,7 +58,7 @@ def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRed
     )
 
 
-async def bare_command(redis: Redis, *args: str | bytes | int) -> Any:
+async def bare_command(redis: Redis, *args: str | bytes | int | float) -> Any:
     """One command on a connection of `redis`'s pool, its reply as Redis sent it (hiredis's parse;
     no response callback): for the hot paths' commands (the worker's appends, the tailer's reads),
     on which the client's per-command machinery (retry wrapper, observability hooks, timeouts, its
@@ -69,15 +69,22 @@ async def bare_command(redis: Redis, *args: str | bytes | int) -> Any:
     one (a timeout is not retried: Redis may have run it); an error reply is raised as redis-py
     raises it (`NoScriptError`, `ResponseError`); a connection left mid-reply is closed.
     """
-    packed = hiredis.pack_command(args)  # type: ignore[arg-type]  # its stub says a 1-tuple
+    (reply,) = await bare_pipeline(redis, args)
+    if isinstance(reply, ResponseError):
+        raise reply
+    return reply
+
+
+async def bare_pipeline(redis: Redis, *commands: tuple[str | bytes | int | float, ...]) -> list[Any]:
+    """`commands` sent in one write on one connection of `redis`'s pool, their replies as Redis sent
+    them, in order (as `bare_command` does for one); an error reply is its exception in the list."""
+    packed = b"".join(hiredis.pack_command(command) for command in commands)  # type: ignore[arg-type]
     pool = redis.connection_pool
     for tries_left in (1, 0):
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
             await connection.send_packed_command(packed, check_health=False)
-            return await connection.read_response()
-        except ResponseError:
-            raise  # the whole reply was read: the connection is fit for the next command
+            return [await _reply(connection) for _ in commands]
         except RedisConnectionError:
             await connection.disconnect()
             if not tries_left:
@@ -88,6 +95,13 @@ async def bare_command(redis: Redis, *args: str | bytes | int) -> Any:
         finally:
             await pool.release(connection)
     raise AssertionError("unreachable")
+
+
+async def _reply(connection: Any) -> Any:
+    try:
+        return await connection.read_response()
+    except ResponseError as exc:  # the whole reply was read: the connection is fit for the next one
+        return exc
 
 
 class _HiredisPacking:

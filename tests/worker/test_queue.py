@@ -143,6 +143,24 @@ async def test_a_take_that_starts_leases_what_it_popped_in_the_same_round_trip(
     await redis.delete(lease_key(second), f"respool:{{{first}}}:attempt", f"respool:{{{first}}}:events")
 
 
+async def test_a_redis_that_forgot_its_scripts_still_queues_and_starts(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """The enqueue and the start behind the pop are scripts sent by digest: a Redis that lost its
+    scripts (restarted, or flushed them) gets them again, and the response is queued and started."""
+    (response_id,) = _ids(1)
+    await redis.script_flush()
+    await queue.enqueue(response_id, [encode({"type": "response.created"}, 0)], ticket=b"row")
+    await redis.script_flush()
+    taken = await queue.take_started(popper, Leases(redis, 6.0), "w1", 1.0)
+    assert taken is not None
+    assert taken[0] == response_id and taken[1] is not None and taken[1].ticket == b"row"
+    assert await redis.llen(taking_key(queue.name, "w1")) == 0
+    await redis.delete(
+        lease_key(response_id), f"respool:{{{response_id}}}:attempt", f"respool:{{{response_id}}}:events"
+    )
+
+
 async def test_a_take_whose_start_fails_puts_what_it_popped_back(
     redis: Redis, queue: ResponseQueue, popper: Redis
 ) -> None:
