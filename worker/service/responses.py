@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -517,7 +517,7 @@ class ResponseService:
             await self.cancellation.end_stream(response_id, stored.response)
         return stored.response
 
-    async def follow(
+    def follow(
         self,
         response_id: str,
         after: int = -1,
@@ -527,24 +527,27 @@ class ResponseService:
     ) -> AsyncIterator[Event | None]:
         """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
         finished response (`final`) what is stored, an `after` past its end being an empty stream.
-
-        Postgres commits a response's end before its writer appends the terminal event (DESIGN.md
-        §2.3). If that event does not come while the relay waits, the writer died in between: the
-        stream is ended from Postgres here (its lease has expired by then) and that end relayed.
+        A live one's are the tailer's own (no layer between them and the relay: issue 20).
 
         Raises Redis's outage if Redis is lost meanwhile (the relay's boundary says so to its
         client, who resumes after the last event it got, once Redis is back).
         """
+        events = self.tailer.follow(response_id, after, idle_seconds, final is not None)
+        return events if final is None else self._follow_finished(events, response_id, after, final)
+
+    async def _follow_finished(
+        self, events: AsyncGenerator[Event | None], response_id: str, after: int, final: dict[str, Any]
+    ) -> AsyncIterator[Event | None]:
+        """Postgres commits a response's end before its writer appends the terminal event (DESIGN.md
+        §2.3). If that event does not come while the relay waits, the writer died in between: the
+        stream is ended from Postgres here (its lease has expired by then) and that end relayed."""
         position, is_ended = after, False
-        is_finished = final is not None
-        async with contextlib.aclosing(
-            self.tailer.follow(response_id, after, idle_seconds, is_finished)
-        ) as events:
+        async with contextlib.aclosing(events):
             async for item in events:
                 if item is not None:
                     position, is_ended = item.sequence_number, item.is_terminal
                 yield item
-            if final is not None and not is_ended and position >= 0:
+            if not is_ended and position >= 0:
                 await self.cancellation.end_stream(response_id, final)
                 for event in await read_events(self.redis, response_id, position):
                     yield event

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -62,6 +62,19 @@ class _Subscriber:
     position: int
     queue: asyncio.Queue[Event | RedisError | _Idle] = field(default_factory=asyncio.Queue)
     taken_at: float = 0.0  # the loop time its reader last took something from `queue`
+
+
+async def _take_until(
+    subscriber: _Subscriber, idle_seconds: float | None, until: float
+) -> Event | RedisError | _Idle | None:
+    """A finished response's next item, no later than `until` (None: it passed); `_IDLE` after
+    `idle_seconds` without one."""
+    loop = asyncio.get_running_loop()
+    timeout = min(idle_seconds or math.inf, max(0.0, until - loop.time()))
+    try:
+        return await asyncio.wait_for(subscriber.queue.get(), timeout)
+    except TimeoutError:
+        return None if loop.time() >= until else _IDLE
 
 
 class _IdleTimer:
@@ -165,37 +178,19 @@ class Tailer:
             until = asyncio.get_running_loop().time() + self._finishing_seconds
         if page:
             position = page[-1].sequence_number
-        async for item in self._live(response_id, position, idle_seconds, until):
-            yield item
-
-    async def _live(
-        self, response_id: str, position: int, idle_seconds: float | None, until: float | None = None
-    ) -> AsyncIterator[Event | None]:
-        key = events_key(response_id)
-        loop = asyncio.get_running_loop()
-        subscriber = _Subscriber(position, taken_at=loop.time())
-        self._subscribers.setdefault(key, set()).add(subscriber)
-        if not self._wake_pending:  # else the read that poke ends is followed by one with this key
-            self._wake_pending = True
-            try:
-                await self._poke()
-            except BaseException:
-                self._wake_pending = False
-                raise
+        # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
+        subscriber = await self._subscribe(response_id, position)
         timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
+        item: Event | RedisError | _Idle | None
         try:
             while True:
                 if until is None:
                     item = await subscriber.queue.get()
-                else:  # a finished response's last events: no later than `until`
-                    timeout = min(idle_seconds or math.inf, max(0.0, until - loop.time()))
-                    try:
-                        item = await asyncio.wait_for(subscriber.queue.get(), timeout)
-                    except TimeoutError:
-                        if loop.time() >= until:
-                            return
-                        item = _IDLE
-                subscriber.taken_at = loop.time()
+                else:
+                    item = await _take_until(subscriber, idle_seconds, until)
+                    if item is None:
+                        return
+                subscriber.taken_at = asyncio.get_running_loop().time()
                 if isinstance(item, _Idle):
                     yield None
                     continue
@@ -207,11 +202,29 @@ class Tailer:
         finally:
             if timer is not None:
                 timer.cancel()
-            subscribers = self._subscribers.get(key)
-            if subscribers is not None:
-                subscribers.discard(subscriber)
-                if not subscribers:
-                    del self._subscribers[key]
+            self._unsubscribe(response_id, subscriber)
+
+    async def _subscribe(self, response_id: str, position: int) -> _Subscriber:
+        """A subscriber to the response's events after `position`, in the tailer's next read."""
+        subscriber = _Subscriber(position, taken_at=asyncio.get_running_loop().time())
+        self._subscribers.setdefault(events_key(response_id), set()).add(subscriber)
+        if not self._wake_pending:  # else the read that poke ends is followed by one with this key
+            self._wake_pending = True
+            try:
+                await self._poke()
+            except BaseException:
+                self._unsubscribe(response_id, subscriber)
+                self._wake_pending = False
+                raise
+        return subscriber
+
+    def _unsubscribe(self, response_id: str, subscriber: _Subscriber) -> None:
+        key = events_key(response_id)
+        subscribers = self._subscribers.get(key)
+        if subscribers is not None:
+            subscribers.discard(subscriber)
+            if not subscribers:
+                del self._subscribers[key]
 
     async def _poke(self) -> bytes:
         """End the blocked read: one XADD to the wake-up stream, sent bare (a pipeline with the
