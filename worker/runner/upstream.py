@@ -299,14 +299,19 @@ async def _attempt(
             if reply.status_code >= 400:
                 raise await _status_error(reply)
             is_ended = is_done = False
-            async for line in _lines(reply, silence):
-                payload = _data(line)
-                if payload is _DONE:
-                    is_done = True
+            lines, chunks = _Lines(), silence.chunks(_body(reply))
+            while not is_done:
+                chunk = await anext(chunks, None)  # None: the body ended (a last line unended goes now)
+                for line in lines.split(b"\n" if chunk is None else chunk):
+                    payload = _data(line)
+                    if payload is _DONE:
+                        is_done = True
+                        break
+                    if payload is not None:
+                        is_ended = is_ended or kind.ends(payload)
+                        yield payload
+                if chunk is None:
                     break
-                if payload is not None:
-                    is_ended = is_ended or kind.ends(payload)
-                    yield payload
             if not is_ended:
                 raise _unfinished(kind, is_done)
         finally:
@@ -371,24 +376,29 @@ class _Silence:
         self._timer = self._loop.call_at(max(due, now + self.seconds / 8), self._check)
 
 
-async def _lines(reply: httpx2.Response, silence: _Silence) -> AsyncGenerator[bytes]:
-    """The body's lines, as bytes without their ends (LF, CRLF or CR: the SSE spec's three), read
-    within `silence`'s bound.
-
-    Read from the response's byte stream itself: httpx's line iterator stacks four generators per
-    chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent compressed is read
-    through httpx's decoding."""
+def _body(reply: httpx2.Response) -> AsyncIterator[bytes]:
+    """The body's chunks, from the response's byte stream itself: httpx's line iterator stacks four
+    generators per chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent
+    compressed is read through httpx's decoding."""
     encoding = reply.headers.get("content-encoding", "identity").strip().lower()
-    stream = reply.stream if encoding in ("", "identity") else reply.aiter_bytes()
-    rest = b""
-    async for chunk in silence.chunks(stream):  # type: ignore[arg-type]  # an AsyncByteStream: the client is async
+    if encoding in ("", "identity"):
+        return aiter(reply.stream)  # type: ignore[arg-type]  # an AsyncByteStream: the client is async
+    return reply.aiter_bytes()
+
+
+class _Lines:
+    """Splits a body into lines, as bytes without their ends (LF, CRLF or CR: the SSE spec's three),
+    as its chunks come: a call a chunk, where a generator of lines was a layer a token (issue 20)."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def split(self, chunk: bytes) -> list[bytes]:
+        """The lines `chunk` ends (the start of the next one is kept for the next chunk)."""
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *lines, rest = (rest + chunk).split(b"\n")
-        for line in lines:
-            yield line
-    if rest:
-        yield rest
+        *lines, self._rest = (self._rest + chunk).split(b"\n")
+        return lines
 
 
 def _unfinished(kind: StreamKind, is_done: bool) -> TransientUpstreamError:
