@@ -150,14 +150,6 @@ def decode_flat(entry_id_: bytes, flat: list[bytes]) -> Event:
     return decode_entry(entry_id_, _fields(flat))
 
 
-def add_events(pipe: Any, response_id: str, events: list[Event]) -> None:
-    """Queue unfenced XADDs on a (sync or async) pipeline: only for the API's first events (DESIGN.md §3)."""
-    for event in events:
-        pipe.xadd(
-            events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number)
-        )
-
-
 async def read_events(
     redis: Redis, response_id: str, after: int = -1, count: int | None = None
 ) -> list[Event]:

@@ -227,9 +227,9 @@ class ResponseService:
 
         With a ticket (the row, for the worker: `store.ticket`) the response is queued first and
         its row inserted while a worker takes it: the worker calls the upstream without reading the
-        row, and waits for it only to claim it, before it appends anything. Should the insert fail,
-        the response is taken out of the queue (a worker that took it already finds no row, and
-        runs nothing). Without a ticket the worker reads the row: it is inserted first.
+        row, and waits for it only to claim it (attempt._run_ahead). Should the insert fail, the
+        response is taken back out of the queue (`_unqueue`). Without a ticket the worker reads the
+        row: it is inserted first.
         """
         response = row["response"]
         ticket = store.ticket(row, TICKET_MAX_BYTES)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from tests.support.stack import Servers
 from worker.connections import blocking_client
-from worker.events.stream import Event, add_events, encode
+from worker.events.stream import Event, encode, entry_id
+from worker.keys import events_key
 from worker.service.tailer import Tailer
 
 pytestmark = pytest.mark.integration
@@ -23,6 +25,14 @@ async def _tailer(backing: Servers, redis: Redis, batch_seconds: float) -> Taile
     )
     await tailer.start()
     return tailer
+
+
+def add_events(pipe: Any, response_id: str, events: list[Event]) -> None:
+    """Unfenced XADDs on a pipeline, as the API's create writes a stream's first events."""
+    for event in events:
+        pipe.xadd(
+            events_key(response_id), {"t": event.type, "d": event.data}, id=entry_id(event.sequence_number)
+        )
 
 
 async def _append(
