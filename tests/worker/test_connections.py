@@ -1,4 +1,5 @@
-"""`bare_command`, the hot paths' way to send one command (worker/connections.py), on real Redis."""
+"""`bare_command` and `HeldConnection`, the hot paths' ways to send commands (worker/connections.py),
+on real Redis."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.support.stack import Servers
-from worker.connections import bare_command, connect
+from worker.connections import HeldConnection, bare_command, connect
 
 pytestmark = pytest.mark.integration
 
@@ -75,3 +77,110 @@ async def test_a_command_cancelled_before_its_reply_leaves_no_reply_behind(one: 
     await redis.rpush("bare:list", "late")  # no one blocks on it any more
     assert await bare_command(one, "ECHO", "next") == b"next"
     assert await redis.lpop("bare:list") == b"late"
+
+
+# HeldConnection ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def held(one: Redis) -> AsyncIterator[HeldConnection]:
+    connection = HeldConnection(one)
+    yield connection
+    await connection.close()
+
+
+async def test_a_held_connection_answers_each_command_of_a_round_trip_in_order(
+    held: HeldConnection, redis: Redis
+) -> None:
+    await redis.delete("held:k")
+    replies = await held.pipeline(("SET", "held:k", "v"), ("GET", "held:k"), ("GET",), ("GET", "held:none"))
+    assert replies[:2] == [True, b"v"] or replies[:2] == [b"OK", b"v"]
+    assert isinstance(replies[2], ResponseError)  # an error reply is its exception in the list
+    assert replies[3] is None
+    with pytest.raises(NoScriptError):
+        await held.command("EVALSHA", "0" * 40, 0)
+    assert await held.command("ECHO", "still") == b"still"  # the replies were whole: kept
+    await redis.delete("held:k")
+
+
+async def test_a_held_connection_is_one_connection_kept_across_round_trips(held: HeldConnection) -> None:
+    first = await held.command("CLIENT", "ID")
+    for _ in range(3):
+        assert await held.command("CLIENT", "ID") == first
+
+
+async def test_a_held_connection_dropped_is_replaced_and_the_commands_sent_once_more(
+    held: HeldConnection, redis: Redis
+) -> None:
+    first = await held.command("CLIENT", "ID")
+    await redis.execute_command("CLIENT", "KILL", "ID", first)
+    await held.command("SET", "held:k", "again")  # meets the dead connection, goes again on a new one
+    assert await redis.get("held:k") == b"again"
+    assert await held.command("CLIENT", "ID") != first
+    await redis.delete("held:k")
+
+
+async def test_a_held_connection_whose_reply_is_overdue_times_out_without_sending_again(
+    backing: Servers, redis: Redis
+) -> None:
+    """Past the pool's socket timeout the read fails (Redis may have run the command: it is not sent
+    again) and the connection is closed; the next round trip goes on a new one."""
+    await redis.delete("held:list")
+    client = connect(backing.redis_url, max_connections=1, timeout_seconds=0.3)
+    held = HeldConnection(client)
+    try:
+        first = await held.command("CLIENT", "ID")
+        with pytest.raises(RedisTimeoutError):
+            await held.command("BLPOP", "held:list", 2)
+        assert await held.command("CLIENT", "ID") != first
+        for _ in range(250):  # the overdue BLPOP's connection is gone: nothing is left blocked
+            if not await redis.execute_command("CLIENT", "LIST", "ID", first):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the overdue command's connection was kept open")
+    finally:
+        await held.close()
+        await client.aclose()
+        await client.connection_pool.disconnect()
+
+
+async def test_a_held_connection_cancelled_mid_reply_leaves_no_reply_behind(
+    held: HeldConnection, redis: Redis
+) -> None:
+    await redis.delete("held:list")
+    blocked = await held.command("CLIENT", "ID")
+    waiting = asyncio.create_task(held.command("BLPOP", "held:list", 5))
+    await asyncio.sleep(0.2)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for _ in range(250):
+        if not await redis.execute_command("CLIENT", "LIST", "ID", blocked):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        pytest.fail("the cancelled command's connection was kept open")
+    await redis.rpush("held:list", "late")
+    assert await held.command("ECHO", "next") == b"next"
+    assert await redis.lpop("held:list") == b"late"
+
+
+async def test_a_held_connection_refuses_a_second_round_trip_at_once(
+    held: HeldConnection, redis: Redis
+) -> None:
+    await redis.delete("held:list")
+    waiting = asyncio.create_task(held.command("BLPOP", "held:list", 1))
+    await asyncio.sleep(0.1)
+    with pytest.raises(RuntimeError, match="one at a time"):
+        await held.command("ECHO", "no")
+    assert await waiting is None  # the first one's reply was its own
+    assert await held.command("ECHO", "yes") == b"yes"
+
+
+async def test_a_held_connection_that_its_pool_disconnected_connects_again(
+    held: HeldConnection, one: Redis
+) -> None:
+    first = await held.command("CLIENT", "ID")
+    await one.connection_pool.disconnect()  # as a pool reset does, in use or not
+    assert await held.command("CLIENT", "ID") != first

@@ -20,7 +20,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from worker.connections import bare_command
+from worker.connections import HeldConnection
 from worker.errors import FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
@@ -259,6 +259,7 @@ class EventLog:
         self._batch_seconds = batch_seconds
         self._next_at = 0.0  # the loop time before which no pipeline goes (under load)
         self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
+        self._connection = HeldConnection(redis)  # round trips go one at a time (`_flush`)
         self._pending: list[_Append] = []
         self._flushing = False
 
@@ -313,8 +314,8 @@ class EventLog:
 
     async def _execute(self, batch: list[_Append]) -> list[Any]:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS
-        round trip each time), sent bare (`bare_command`); an append that failed is its exception
-        in the list."""
+        round trip each time), on the log's own connection (`HeldConnection`); an append that
+        failed is its exception in the list."""
         keys: list[str] = []
         args: list[str | bytes | int] = []
         for lease, events, retain_seconds, _ in batch:
@@ -323,5 +324,5 @@ class EventLog:
             args += (lease.value, len(events), retain_seconds)
             for event in events:
                 args += (entry_id(event.sequence_number), event.type, event.data)
-        results: list[Any] = await bare_command(self.redis, "EVALSHA", self._sha, len(keys), *keys, *args)
+        results: list[Any] = await self._connection.command("EVALSHA", self._sha, len(keys), *keys, *args)
         return results
