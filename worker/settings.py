@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # Under load, a worker sends its appends to Redis, and an API reads its live streams, at most once
     # every `batch_ms` (DESIGN.md §7): what arrives meanwhile goes in one round trip. A process that
     # sent or read one event at its last round trip goes at once: this adds no wait to a lone stream.
-    batch_ms: float = Field(default=5.0, ge=0, le=100)
+    batch_ms: float = Field(default=10.0, ge=0, le=100)
 
     # Tools (DESIGN.md §10): a server-side tool type this deployment has no backend for (e.g. Codex
     # CLI's `web_search` with no search backend) is left out of what the model is offered and named
