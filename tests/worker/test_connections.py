@@ -4,7 +4,9 @@ on real Redis."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -58,25 +60,42 @@ async def test_a_dropped_connection_is_replaced_and_the_command_sent_once_more(
     await redis.delete("bare:k")
 
 
-async def test_a_command_cancelled_before_its_reply_leaves_no_reply_behind(one: Redis, redis: Redis) -> None:
+@pytest.fixture(params=["bare", "held"])
+async def send(request: pytest.FixtureRequest, one: Redis) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """One command's way on `one`'s single connection: `bare_command`, or a `HeldConnection`."""
+    if request.param == "bare":
+        yield partial(bare_command, one)
+        return
+    held = HeldConnection(one)
+    yield held.command
+    await held.close()
+
+
+async def test_a_command_cancelled_before_its_reply_leaves_no_reply_behind(
+    send: Callable[..., Awaitable[Any]], redis: Redis
+) -> None:
     """The reply of a cancelled command must not answer the next one: its connection is closed."""
     await redis.delete("bare:list")
-    blocked = await bare_command(one, "CLIENT", "ID")
-    waiting = asyncio.create_task(bare_command(one, "BLPOP", "bare:list", 5))
+    blocked = await send("CLIENT", "ID")
+    waiting = asyncio.create_task(send("BLPOP", "bare:list", 5))
     await asyncio.sleep(0.2)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    # Redis notices the close on its own time: until then the BLPOP would still take what comes.
-    for _ in range(250):
-        if not await redis.execute_command("CLIENT", "LIST", "ID", blocked):
-            break
-        await asyncio.sleep(0.02)
-    else:
-        pytest.fail("the cancelled command's connection was kept open")
+    await _closed(redis, blocked, "the cancelled command's connection was kept open")
     await redis.rpush("bare:list", "late")  # no one blocks on it any more
-    assert await bare_command(one, "ECHO", "next") == b"next"
+    assert await send("ECHO", "next") == b"next"
     assert await redis.lpop("bare:list") == b"late"
+
+
+async def _closed(redis: Redis, client_id: int, failure: str) -> None:
+    """Wait until Redis no longer lists the client: it notices a close on its own time, and until
+    then a blocked command of that client would still take what comes."""
+    for _ in range(250):
+        if not await redis.execute_command("CLIENT", "LIST", "ID", client_id):
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail(failure)
 
 
 # HeldConnection ----------------------------------------------------------------------------------
@@ -133,37 +152,11 @@ async def test_a_held_connection_whose_reply_is_overdue_times_out_without_sendin
         with pytest.raises(RedisTimeoutError):
             await held.command("BLPOP", "held:list", 2)
         assert await held.command("CLIENT", "ID") != first
-        for _ in range(250):  # the overdue BLPOP's connection is gone: nothing is left blocked
-            if not await redis.execute_command("CLIENT", "LIST", "ID", first):
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the overdue command's connection was kept open")
+        await _closed(redis, first, "the overdue command's connection was kept open")
     finally:
         await held.close()
         await client.aclose()
         await client.connection_pool.disconnect()
-
-
-async def test_a_held_connection_cancelled_mid_reply_leaves_no_reply_behind(
-    held: HeldConnection, redis: Redis
-) -> None:
-    await redis.delete("held:list")
-    blocked = await held.command("CLIENT", "ID")
-    waiting = asyncio.create_task(held.command("BLPOP", "held:list", 5))
-    await asyncio.sleep(0.2)
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    for _ in range(250):
-        if not await redis.execute_command("CLIENT", "LIST", "ID", blocked):
-            break
-        await asyncio.sleep(0.02)
-    else:
-        pytest.fail("the cancelled command's connection was kept open")
-    await redis.rpush("held:list", "late")
-    assert await held.command("ECHO", "next") == b"next"
-    assert await redis.lpop("held:list") == b"late"
 
 
 async def test_a_held_connection_refuses_a_second_round_trip_at_once(
