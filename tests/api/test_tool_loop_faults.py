@@ -49,11 +49,6 @@ def mcp_tool(server: McpServerProcess) -> dict[str, Any]:
     return {"type": "mcp", "server_label": "tools", "server_url": server.url, "require_approval": "never"}
 
 
-def _start_worker(stack: Stack, name: str) -> None:
-    stack.start_worker(name)
-    wait_for(lambda: "ready: taking responses" in stack.log(name), timeout=60, what=f"{name} ready")
-
-
 def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
     loop_stack: Stack,
     upstream: ScriptedUpstream,
@@ -70,7 +65,7 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
     search_server.reset()
     steps = {"tools": ["web_search", "lookup", "add"], "steps": 3}
     upstream.script(model, {"tool_loop": steps, "delay": 0.4})
-    _start_worker(loop_stack, "doomed")
+    loop_stack.start_worker("doomed")
     seen: list[Any] = []
     killed_at: float | None = None
     with make_sdk(loop_stack.url, "unused") as sdk:

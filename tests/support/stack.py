@@ -50,6 +50,9 @@ def wait_for[T](
         time.sleep(interval)
 
 
+WORKER_READY = "ready: taking responses"  # what a worker logs once it takes responses
+
+
 @dataclass
 class Servers:
     redis_url: str
@@ -144,8 +147,14 @@ class Stack:
         self.url = self.url or url
         return url
 
-    def start_worker(self, name: str = "worker", *args: str) -> None:
+    def start_worker(self, name: str = "worker", *args: str, ready: bool = True) -> None:
+        """Start a worker; unless `ready` is false, wait until it takes responses (a first request
+        sent earlier waits for its start, which a slow machine has taken 11 s to make)."""
+        log = self.logs / f"{name}.log"
+        before = log.read_text(errors="replace").count(WORKER_READY) if log.exists() else 0
         self._spawn(name, "worker", *args)
+        if ready:
+            wait_for(lambda: self.log(name).count(WORKER_READY) > before, timeout=60, what=f"{name} ready")
 
     def _spawn(self, name: str, *args: str) -> None:
         with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy

@@ -79,7 +79,6 @@ class Lab:
         """Start a worker and wait until it takes jobs (and a SIGTERM would drain it); its RQ name."""
         self.stack.start_worker(name)
         self.workers.append(name)
-        wait_for(lambda: "ready: taking responses" in self.stack.log(name), timeout=60, what=f"{name} ready")
         return worker_name(self.redis, self.stack, name)
 
     def create(
