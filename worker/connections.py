@@ -150,6 +150,7 @@ class HeldConnection:
             self._busy = False
 
     async def _round_trip(self, packed: bytes, count: int) -> list[Any]:
+        self._timed_out = False  # an earlier timer that fired as its reply came says nothing of this one
         connection = self._connection
         if connection is None:
             connection = self._connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
