@@ -83,7 +83,7 @@ def test_a_worker_killed_mid_loop_is_taken_over_from_its_last_finished_step(
                     if event.type == "response.in_progress":  # "doomed" holds it
                         # Not waited for here: the kill must land while the answer streams, and a
                         # worker takes seconds to start on a loaded machine (it takes over when up).
-                        loop_stack.start_worker("survivor")
+                        loop_stack.start_worker("survivor", ready=False)
                     if event.type == "response.output_text.delta" and killed_at is None:
                         signal_process(loop_stack, "doomed", KILL)
                         killed_at = time.monotonic()
