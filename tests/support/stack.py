@@ -143,7 +143,11 @@ class Stack:
         port = free_port()
         self._spawn(name, "api", "--host", "127.0.0.1", "--port", str(port))
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _healthy(url, self.processes[name]), timeout=30, what=f"{name} to listen")
+        try:
+            wait_for(lambda: _healthy(url, self.processes[name]), timeout=30, what=f"{name} to listen")
+        except AssertionError:
+            self.stop(name)  # a fixture that fails here never reaches its stop_all: no process left behind
+            raise
         self.url = self.url or url
         return url
 
