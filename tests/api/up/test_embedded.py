@@ -148,12 +148,31 @@ def test_start_refuses_a_data_dir_in_use(kind: Kind, data_dir: Path) -> None:
 
 
 def test_redis_keeps_its_url_across_restarts(data_dir: Path) -> None:
-    """Redis comes back on the port it had, so a URL noted down earlier still works."""
+    """Respool's processes reach Redis on a unix socket in its data dir, and tools on 127.0.0.1:
+    both come back the same, so a URL noted down earlier still works."""
     first = EmbeddedRedis.start(data_dir)
-    first.stop()
+    try:
+        assert first.url == f"unix://{data_dir.resolve()}/redis/redis.sock?db=0"
+        _redis_write(first.url)
+        assert _redis_read(f"redis://127.0.0.1:{first.port}/0") == MARKER
+    finally:
+        first.stop()
     second = EmbeddedRedis.start(data_dir)
     second.stop()
-    assert second.url == first.url
+    assert (second.url, second.port) == (first.url, first.port)
+
+
+def test_redis_socket_of_a_long_data_dir_is_in_a_private_dir_removed_at_stop(data_dir: Path) -> None:
+    """Where the data dir's path is too long for a socket address, the socket goes in a private
+    dir of its own (mode 0700), which the stop removes."""
+    server = EmbeddedRedis.start(data_dir / ("long-" * 25))
+    try:
+        assert server.socket_dir is not None and server.url.startswith(f"unix://{server.socket_dir}/")
+        assert server.socket_dir.stat().st_mode & 0o777 == 0o700
+        _redis_write(server.url)
+    finally:
+        server.stop()
+    assert not server.socket_dir.exists()
 
 
 def test_postgres_is_reachable_only_through_its_socket(data_dir: Path) -> None:
