@@ -72,6 +72,9 @@ unixsocket {socket}
 unixsocketperm 700
 appendonly yes
 appendfsync everysec
+# Its housekeeping 5 times a second, not 10: half of an idle Redis's CPU (a blocking command's
+# timeout may pass up to 0.2 s late; respool's have seconds of slack).
+hz 5
 """
 
 
@@ -413,9 +416,7 @@ def _postmaster_ready(pgdata: Path, pid: int) -> bool:
     return _postmaster_line(pgdata, 0) == str(pid) and _postmaster_line(pgdata, 7) == "ready"
 
 
-def _make_socket_dir(
-    record: Path, owner: pwd.struct_passwd | None, prefix: str = _SOCKET_DIR_PREFIX
-) -> Path:
+def _make_socket_dir(record: Path, owner: pwd.struct_passwd | None, prefix: str = _SOCKET_DIR_PREFIX) -> Path:
     """A fresh private dir for the socket, short because unix socket paths stop at ~107 bytes.
 
     Its path is recorded in `record`, so the next start can remove the one a killed run left.

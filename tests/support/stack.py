@@ -151,20 +151,23 @@ class Stack:
         self.url = self.url or url
         return url
 
-    def start_worker(self, name: str = "worker", *args: str, ready: bool = True) -> None:
-        """Start a worker; unless `ready` is false, wait until it takes responses (a first request
-        sent earlier waits for its start, which a slow machine has taken 11 s to make)."""
+    def start_worker(
+        self, name: str = "worker", *args: str, ready: bool = True, env: dict[str, str] | None = None
+    ) -> None:
+        """Start a worker (`env` over the stack's own); unless `ready` is false, wait until it takes
+        responses (a first request sent earlier waits for its start, which a slow machine has taken
+        11 s to make)."""
         log = self.logs / f"{name}.log"
         before = log.read_text(errors="replace").count(WORKER_READY) if log.exists() else 0
-        self._spawn(name, "worker", *args)
+        self._spawn(name, "worker", *args, env=env)
         if ready:
             wait_for(lambda: self.log(name).count(WORKER_READY) > before, timeout=60, what=f"{name} ready")
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "api", *args],
-                env={**self.env, "PYTHONUNBUFFERED": "1"},  # its log survives a kill -9
+                env={**self.env, **(env or {}), "PYTHONUNBUFFERED": "1"},  # its log survives a kill -9
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -196,14 +196,16 @@ async def queue_due(
     engine: AsyncEngine,
     notifier: Notifier,
     statuses: Callable[[Sequence[str]], dict[str, JobStatus | None]],
-    max_age_seconds: float,
+    max_age_seconds: float | None,
 ) -> int:
     """Queue an attempt of every pending delivery to an endpoint this process configures that is
-    due and has no live job; give up those past `max_age_seconds` that nobody sends. How many were
-    queued. `engine` runs each statement as its own transaction (store.single_statements)."""
+    due and has no live job; give up those past `max_age_seconds` (if given) that nobody sends. How
+    many were queued. `engine` runs each statement as its own transaction (store.single_statements)."""
     names = [endpoint.name for endpoint in notifier.endpoints]
+    if max_age_seconds is None and not names:
+        return 0
     async with engine.connect() as conn:
-        if await deliveries.give_up_expired(conn, max_age_seconds):
+        if max_age_seconds is not None and await deliveries.give_up_expired(conn, max_age_seconds):
             log.warning(
                 "webhook deliveries past RESPOOL_WEBHOOK_MAX_AGE_SECONDS that nobody sent were given up"
             )

@@ -10,7 +10,8 @@ which the queue does not hold (Redis lost it). In-progress rows are all looked a
 queued rows, a bounded number of pages per sweep (`end_orphans`). It also deletes stored responses
 finished more than `retention_days` ago, and webhook deliveries that ended as long ago.
 
-Every worker runs it every `maintenance_seconds`; a Redis lock lets one of them at a time do it.
+Every worker runs it every `maintenance_seconds`, the orphans' part every fifth time
+(`rare_seconds`); a Redis lock lets one of them at a time do it.
 """
 
 from __future__ import annotations
@@ -48,15 +49,25 @@ def retention_seconds(settings: Settings) -> float:
     return min(60.0, settings.retention_days * 86400 / 10)
 
 
-async def sweep(rt: Runtime, settings: Settings, *, retention: bool = True) -> int | None:
+def rare_seconds(settings: Settings) -> float:
+    """How often a worker's sweep looks for what only rarer failures leave (orphans, abandoned or
+    expired deliveries): every fifth maintenance. Their statements were most of an idle worker's
+    CPU at every one (issue 20), and an orphan waits out a grace of 10 s or more anyway."""
+    return 5.0 * settings.maintenance_seconds
+
+
+async def sweep(
+    rt: Runtime, settings: Settings, *, retention: bool = True, orphans: bool = True
+) -> int | None:
     """One sweep, if no other process is sweeping (None if one was): the number of responses it
-    ended. With `retention`, it also deletes what is past retention."""
+    ended. With `orphans`, it also ends orphans; with `retention`, it deletes what is past retention."""
     lock_ms = int(settings.maintenance_seconds * 1000)
     # One lock per queue: deployments sharing a Redis each sweep their own responses.
     if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
         return None
     ended = await take_back(rt, settings.max_attempts)
-    ended += await end_orphans(rt, settings)
+    if orphans:
+        ended += await end_orphans(rt, settings)
     if not retention:
         return ended
     # Each statement its own transaction (autocommit), here and in the pages below: a sweep runs

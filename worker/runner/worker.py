@@ -42,7 +42,7 @@ from worker.outages import is_outage, is_redis_outage, patiently
 from worker.queue import Started, delivery_queue, job_statuses
 from worker.runner.attempt import run_response
 from worker.runner.deliveries import Deliverer, queue_due
-from worker.runner.recovery import retention_seconds, sweep
+from worker.runner.recovery import rare_seconds, retention_seconds, sweep
 from worker.runner.runtime import RunEnd, Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 
@@ -82,7 +82,7 @@ class ResponseWorker(BaseWorker):
         # RQ's reconnect backoff grows to a minute by default: after an outage, resume sooner.
         self.max_connection_wait_time = float(max(5, settings.maintenance_seconds * 2))
         self._settings = settings
-        self._last_beat = self._last_suspension_check = self._retention_at = -math.inf
+        self._last_beat = self._last_suspension_check = self._retention_at = self._rare_at = -math.inf
         # Webhook deliveries have slots of their own: slow receivers never take a response's.
         self._delivery_slots = threading.Semaphore(settings.webhook_concurrency)
         self._response_slots = asyncio.Semaphore(concurrency)
@@ -389,20 +389,28 @@ class ResponseWorker(BaseWorker):
             pipe.execute()
 
     async def _sweep(self) -> None:
-        """End responses nobody runs any more, and drop stored ones past retention (worker/runner/recovery.py)."""
-        due = time.monotonic() >= self._retention_at
-        if await sweep(self._runtime, self._settings, retention=due) is not None and due:
-            self._retention_at = time.monotonic() + retention_seconds(self._settings)
-        lock_ms = int(self._settings.maintenance_seconds * 1000)
-        if await self._runtime.redis.set(
-            registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
-        ):
-            await asyncio.to_thread(self._clean_registries)
+        """Put back what dead workers held, queue the webhook deliveries that are due, and, less
+        often, what only a rarer failure leaves (orphans of a Redis that lost data, deliveries
+        abandoned by a dead worker or past their age) and what is past retention
+        (worker/runner/recovery.py)."""
+        now = time.monotonic()
+        due, rare = now >= self._retention_at, now >= self._rare_at
+        if await sweep(self._runtime, self._settings, retention=due, orphans=rare) is not None:
+            if due:
+                self._retention_at = now + retention_seconds(self._settings)
+            if rare:
+                self._rare_at = now + rare_seconds(self._settings)
+        if rare:
+            lock_ms = int(self._settings.maintenance_seconds * 1000)
+            if await self._runtime.redis.set(
+                registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
+            ):
+                await asyncio.to_thread(self._clean_registries)
         await queue_due(
             self._runtime.autocommit,
             self._runtime.notifier,
             self._delivery_statuses,
-            self._settings.webhook_max_age_seconds,
+            self._settings.webhook_max_age_seconds if rare else None,
         )
 
     def _clean_registries(self) -> None:

@@ -75,9 +75,9 @@ class Lab:
     model: str
     workers: list[str] = field(default_factory=list)
 
-    def start(self, name: str) -> str:
+    def start(self, name: str, env: dict[str, str] | None = None) -> str:
         """Start a worker and wait until it takes jobs (and a SIGTERM would drain it); its RQ name."""
-        self.stack.start_worker(name)
+        self.stack.start_worker(name, env=env)
         self.workers.append(name)
         return worker_name(self.redis, self.stack, name)
 
@@ -363,8 +363,17 @@ def test_a_worker_killed_inside_rqs_registry_cleaning_does_not_stall_takeovers(l
     assert set(statuses.values()) == {"completed"}  # nobody saw their output: each ran again
 
 
+def _over_tcp(lab: Lab) -> dict[str, str]:
+    """The environment of a worker whose connections to Redis `_blocked_pops` can tell from the
+    rest (by their ports): an embedded Redis's unix socket names no peer, so its TCP port instead."""
+    url = lab.stack.env["RESPOOL_REDIS_URL"]
+    if url.startswith("unix:"):
+        url = f"redis://127.0.0.1:{lab.redis.config_get('port')['port']}/0"
+    return {"RESPOOL_REDIS_URL": url}
+
+
 def _blocked_pops(redis: Redis, pid: int) -> int:
-    """How many of process `pid`'s Redis connections wait in a blocking pop."""
+    """How many of process `pid`'s Redis connections (over TCP: `_over_tcp`) wait in a blocking pop."""
     ports = {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.raddr}
     return sum(
         1
@@ -394,7 +403,7 @@ def test_a_response_popped_by_a_worker_killed_before_it_read_its_start_is_run(la
     worker holds the response's lease, with a deadline, out of its taking list. Killed -9 before it
     reads any of that, it is not lost: its lease lapses, the survivor's sweep finds it past its
     deadline and puts it back, and it completes; the dead worker leaves the queue."""
-    doomed = lab.start("doomed")
+    doomed = lab.start("doomed", _over_tcp(lab))
     _freeze_while_popping(lab, "doomed")
     (response_id,) = lab.create(lab.model, 1)
     queue = QueueView(lab.redis, lab.stack.env["RESPOOL_QUEUE"])
@@ -417,7 +426,7 @@ def test_a_response_cancelled_after_its_worker_popped_it_appends_nothing_from_it
     the cancelled row."""
     model = "ticket-cancelled"
     lab.upstream.script(model, {"text": "never told " * 4, "delay": 0.2})
-    popper = lab.start("popper")
+    popper = lab.start("popper", _over_tcp(lab))
     _freeze_while_popping(lab, "popper")
     (response_id,) = lab.create(model, 1)
     lab.held_by([response_id], popper)  # started by Redis behind the pop, the ticket taken with it
