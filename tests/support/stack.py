@@ -144,10 +144,12 @@ class Stack:
         self._spawn(name, "api", "--host", "127.0.0.1", "--port", str(port))
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_for(lambda: _healthy(url, self.processes[name]), timeout=30, what=f"{name} to listen")
-        except AssertionError:
+            # 60 s, as a worker's start: three suites' processes on two cores have taken over 30.
+            wait_for(lambda: _healthy(url, self.processes[name]), timeout=60, what=f"{name} to listen")
+        except AssertionError as exc:
             self.stop(name)  # a fixture that fails here never reaches its stop_all: no process left behind
-            raise
+            tail = "\n".join(self.log(name).splitlines()[-20:])
+            raise AssertionError(f"{exc}; the last lines of its log:\n{tail}") from None
         self.url = self.url or url
         return url
 
