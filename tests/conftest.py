@@ -25,6 +25,18 @@ MCP_TOKEN = "s3cret-token"  # the guarded MCP server's
 REGISTERED_LABEL = "vault"  # the guarded MCP server, as the main stack's respool.toml registers it
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first: those that kill processes or run the bench (markers `faults`,
+    `bench`), the most such tests first. With `-n N --dist loadfile` the test processes take files in
+    this order, so a file of minutes does not start last while the other processes have run dry
+    (the suite's last two minutes were one process finishing test_recovery.py)."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("faults") or item.get_closest_marker("bench"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: a file's own order is kept
+
+
 @pytest.fixture(autouse=True)
 def wire_is_valid() -> Iterator[None]:
     """Fails the test if respool sent any of its clients an invalid Response, event or SSE frame."""

@@ -1,0 +1,359 @@
+"""A/B two builds of respool on one machine at one time: the CPU each costs, by role (a developer's
+tool, issue 20; `respool bench` is the user's).
+
+    .venv/bin/python tools/pair.py A_TREE B_TREE [--rounds 3] [--scen s30,s100,short,bg,ttft]
+                                              [--env A_NAME=value ...] [--env B_NAME=value ...]
+
+A tree is a checkout (a `git worktree add -f /tmp/base <sha> --detach` for the build before); both
+run on this checkout's virtualenv, each with its own tree first on PYTHONPATH, against one shared
+embedded Redis and Postgres and one paced upstream, each with an API and one worker of its own.
+Rounds alternate which tree goes first; each scenario's CPU is read from /proc for the tree's API,
+its worker, Redis and Postgres (user and system apart), with Redis's own count of commands. The
+figures printed are medians over the rounds, and B's change against A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+import uvloop
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+
+from api.bench import load, stats  # noqa: E402
+from api.bench.load import Api, Target  # noqa: E402
+from api.bench.procs import Children, wait_until  # noqa: E402
+from api.up.embedded import EmbeddedPostgres, EmbeddedRedis  # noqa: E402
+
+SCENARIOS = {
+    # name: (kind, concurrency, count, tokens, pace_ms)
+    "s30": ("streams", 30, 30, 150, 20),
+    "s100": ("streams", 100, 100, 150, 20),
+    "short": ("short", 16, 400, 8, 0),
+    "bg": ("bg", 16, 400, 8, 0),
+    "ttft": ("streams", 1, 40, 32, 10),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def times(process: psutil.Process, children: bool = False) -> tuple[float, float]:
+    try:
+        t = process.cpu_times()
+    except psutil.Error:
+        return 0.0, 0.0
+    user, system = t.user, t.system
+    if children:
+        user += t.children_user
+        system += t.children_system
+    return user, system
+
+
+def tree_times(root: psutil.Process) -> tuple[float, float]:
+    user, system = times(root, True)
+    try:
+        family = root.children(recursive=True)
+    except psutil.Error:
+        family = []
+    for child in family:
+        u, s = times(child, True)
+        user, system = user + u, system + s
+    return user, system
+
+
+class Build:
+    def __init__(self, name: str, tree: Path, env: dict[str, str], children: Children) -> None:
+        self.name, self.tree, self.env, self.children = name, tree, env, children
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.target = Target(name, self.url, Api.RESPONSES)
+
+    def start(self) -> None:
+        py = str(HERE / ".venv/bin/python")
+        self.api = self.children.spawn(
+            f"{self.name}-api",
+            [py, "-m", "api", "api", "--host", "127.0.0.1", "--port", str(self.port)],
+            self.env,
+        )
+        self.worker = self.children.spawn(f"{self.name}-worker", [py, "-m", "api", "worker"], self.env)
+        log = self.children.log_dir / f"{self.name}-worker.log"
+        wait_until(
+            lambda: "ready: taking responses" in log.read_text(errors="replace"), 90, "worker", self.worker
+        )
+        wait_until(lambda: _ready(self.port), 90, "api", self.api)
+        self.roles = {"api": psutil.Process(self.api.pid), "worker": psutil.Process(self.worker.pid)}
+
+
+def _ready(port: int) -> bool:
+    import httpx2
+
+    try:
+        return httpx2.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+    except httpx2.HTTPError:
+        return False
+
+
+def read_all(build: Build, servers: dict[str, psutil.Process], r: redis.Redis) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for role, process in build.roles.items():
+        out[role + ".usr"], out[role + ".sys"] = times(process)
+    for role, process in servers.items():
+        out[role + ".usr"], out[role + ".sys"] = tree_times(process) if role == "pg" else times(process)
+    stats_ = r.info("commandstats")
+    out["redis.calls"] = float(sum(v["calls"] for v in stats_.values()))
+    for command, value in stats_.items():
+        out["cmd." + command.removeprefix("cmdstat_")] = float(value["calls"])
+    out["at"] = time.monotonic()
+    return out
+
+
+async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
+    kind, concurrency, count, tokens, pace = SCENARIOS[name]
+    if kind == "streams":
+        samples = await load.streams(
+            build.target, concurrency=concurrency, count=count, tokens=tokens, pace_ms=pace
+        )
+        summary = stats.summarize(samples, tokens)
+        return summary["tokens"], summary
+    done = await load.short_count(
+        build.target,
+        background=kind == "bg",
+        count=count,
+        concurrency=concurrency,
+        model=load.model_name(tokens, 0),
+        poll_seconds=0.25,
+    )
+    return done.completed, {"errors": done.errors, "polls": done.polls, "first_error": done.first_error}
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    data_dir = Path(tempfile.mkdtemp(prefix="pair-"))
+    log_dir = data_dir / "logs"
+    log_dir.mkdir()
+    children = Children(log_dir)
+    rds = EmbeddedRedis.start(data_dir)
+    pg = EmbeddedPostgres.start(data_dir)
+    try:
+        from worker.postgres.migrate import migrate
+
+        migrate(pg.url)
+        base_env = {**os.environ, "RESPOOL_REDIS_URL": rds.url, "RESPOOL_DATABASE_URL": pg.url}
+        for key in ("RESPOOL_API_KEYS", "RESPOOL_WEBHOOK_URL", "RESPOOL_CONFIG", "RESPOOL_MAX_QUEUE_DEPTH"):
+            base_env.pop(key, None)
+        upstream = children.spawn(
+            "upstream", [str(HERE / ".venv/bin/python"), "-m", "api.bench.upstream", "--port", "0"], base_env
+        )
+        assert upstream.stdout is not None
+        upstream_url = upstream.stdout.readline().decode().split()[1] + "/v1"
+        builds = []
+        for name, tree in (("A", args.a), ("B", args.b)):
+            env = {
+                **base_env,
+                "PYTHONPATH": tree,
+                "RESPOOL_UPSTREAM_URL": upstream_url,
+                "RESPOOL_UPSTREAM_API": "chat",
+                "RESPOOL_QUEUE": f"pair-{name}",
+                "RESPOOL_ACCESS_LOG": "false",
+            }
+            if args.perf:
+                env["PYTHONPERFSUPPORT"] = "1"
+            for item in args.env:
+                prefix, _, assignment = item.partition("_")
+                if prefix == name:
+                    key, _, value = assignment.partition("=")
+                    env[key] = value
+            builds.append(Build(name, Path(tree), env, children))
+        for build in builds:
+            build.start()
+        r = redis.Redis.from_url(rds.url)
+        servers = {"redis": psutil.Process(rds.process.pid), "pg": psutil.Process(pg.process.pid)}
+        direct = Target("direct", upstream_url, Api.CHAT)
+        for build in builds:  # warm up
+            await load.streams(build.target, concurrency=4, count=8, tokens=4, pace_ms=1)
+            await load.short_count(
+                build.target,
+                background=False,
+                count=20,
+                concurrency=4,
+                model=load.model_name(8, 0),
+                poll_seconds=0.25,
+            )
+        results: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for round_ in range(args.rounds):
+            order = builds if round_ % 2 == 0 else builds[::-1]
+            for name in args.scen.split(","):
+                direct_ttft = None
+                if name == "ttft":
+                    summary = stats.summarize(
+                        await load.streams(direct, concurrency=1, count=40, tokens=32, pace_ms=10), 32
+                    )
+                    direct_ttft = summary["ttft_ms"]["p50"]
+                for build in order:
+                    await asyncio.sleep(0.5)
+                    spies = _spy(args, build, name) if round_ == 0 and build.name == "A" else []
+                    before = read_all(build, servers, r)
+                    units, summary = await scenario(build, name)
+                    after = read_all(build, servers, r)
+                    for spy in spies:
+                        spy.send_signal(signal.SIGINT)
+                        spy.wait()
+                    row = {key: after[key] - before.get(key, 0.0) for key in after}
+                    row["units"] = units
+                    if name == "ttft" and direct_ttft is not None:
+                        row["added_ttft_ms"] = summary["ttft_ms"]["p50"] - direct_ttft
+                    if SCENARIOS[name][0] == "streams":
+                        row["gap_p99_ms"] = summary["gap_ms"]["p99"] or 0.0
+                    if summary.get("first_error"):
+                        print(f"  {build.name} {name}: error {summary['first_error']}", flush=True)
+                    results.setdefault((build.name, name), []).append(row)
+                    print(f"  round {round_ + 1} {build.name} {name}: {_line(name, row)}", flush=True)
+        print("\nmedians over rounds (per token: µs; per response: ms)")
+        for name in args.scen.split(","):
+            medians = {}
+            for build in builds:
+                rows = results[(build.name, name)]
+                keys = set().union(*rows)
+                medians[build.name] = {
+                    key: statistics.median(row.get(key, 0.0) for row in rows) for key in keys
+                }
+                print(f"{name:6} {build.name}: {_line(name, medians[build.name])}")
+                if args.commands:
+                    units = max(1.0, medians[build.name]["units"])
+                    counts = sorted(
+                        (
+                            (value / units, key[4:])
+                            for key, value in medians[build.name].items()
+                            if key.startswith("cmd.")
+                        ),
+                        reverse=True,
+                    )
+                    print(
+                        "        "
+                        + "  ".join(f"{command} {count:.2f}" for count, command in counts if count >= 0.01)
+                    )
+            a, b = _total(name, medians["A"]), _total(name, medians["B"])
+            print(f"{name:6} B/A: {b / a:.3f}" if a else "")
+    finally:
+        children.stop_all()
+        pg.stop()
+        rds.stop()
+        if not args.keep:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        else:
+            print("kept", data_dir)
+
+
+ROLES = ("api", "worker", "redis", "pg")
+
+
+def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy on the build's API and worker for one scenario (`--spy DIR`): raw stacks, folded."""
+    if not args.spy:
+        return []
+    Path(args.spy).mkdir(parents=True, exist_ok=True)
+    if args.perf:
+        return [
+            subprocess.Popen(
+                [
+                    "perf",
+                    "record",
+                    "-F",
+                    "499",
+                    "-g",
+                    "-p",
+                    str(process.pid),
+                    "-o",
+                    f"{args.spy}/{name}-{role}.perf",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for role, process in build.roles.items()
+        ]
+    return [
+        subprocess.Popen(
+            [
+                args.py_spy,
+                "record",
+                "-r",
+                "250",
+                "-f",
+                "raw",
+                "--nonblocking",
+                "-p",
+                str(process.pid),
+                "-o",
+                f"{args.spy}/{name}-{role}.txt",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for role, process in build.roles.items()
+    ]
+
+
+def _scale(name: str) -> float:
+    return 1e6 if SCENARIOS[name][0] == "streams" else 1e3
+
+
+def _total(name: str, row: dict[str, float]) -> float:
+    units = max(1.0, row["units"])
+    return sum(row[f"{role}.usr"] + row[f"{role}.sys"] for role in ROLES) / units * _scale(name)
+
+
+def _line(name: str, row: dict[str, float]) -> str:
+    units = max(1.0, row["units"])
+    scale = _scale(name)
+    parts = [f"total {_total(name, row):7.1f}"]
+    for role in ROLES:
+        usr, sys_ = row[f"{role}.usr"] / units * scale, row[f"{role}.sys"] / units * scale
+        parts.append(f"{role} {usr + sys_:6.1f} ({sys_:5.1f}s)")
+    parts.append(f"cmds/unit {row['redis.calls'] / units:5.2f}")
+    if "gap_p99_ms" in row:
+        parts.append(f"gap99 {row['gap_p99_ms']:.1f}")
+    if "added_ttft_ms" in row:
+        parts.append(f"+ttft {row['added_ttft_ms']:.2f}")
+    return "  ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scen", default="s30,s100,short,bg")
+    parser.add_argument("--env", action="append", default=[])
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--spy", help="py-spy A's API and worker in round 1 into this dir")
+    parser.add_argument("--py-spy", default="/tmp/tools/bin/py-spy")
+    parser.add_argument(
+        "--perf", action="store_true", help="with --spy: perf, not py-spy (PYTHONPERFSUPPORT set)"
+    )
+    parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
+    args = parser.parse_args()
+    args.a, args.b = str(Path(args.a).resolve()), str(Path(args.b).resolve())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
