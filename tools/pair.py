@@ -47,6 +47,7 @@ SCENARIOS = {
     "short": ("short", 16, 400, 8, 0),
     "bg": ("bg", 16, 400, 8, 0),
     "ttft": ("streams", 1, 40, 32, 10),
+    "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
 }
 
 
@@ -88,13 +89,17 @@ class Build:
         self.target = Target(name, self.url, Api.RESPONSES)
 
     def start(self) -> None:
-        py = str(HERE / ".venv/bin/python")
+        # The tree's own packages, not the checkout's (`python -m` puts the working dir first on
+        # sys.path, before PYTHONPATH).
+        tree = str(self.tree)
+        run = f"import runpy, sys; sys.path[0] = {tree!r}; runpy.run_module('api', run_name='__main__', alter_sys=True)"
+        py_m = [str(HERE / ".venv/bin/python"), "-c", run]
         self.api = self.children.spawn(
             f"{self.name}-api",
-            [py, "-m", "api", "api", "--host", "127.0.0.1", "--port", str(self.port)],
+            [*py_m, "api", "--host", "127.0.0.1", "--port", str(self.port)],
             self.env,
         )
-        self.worker = self.children.spawn(f"{self.name}-worker", [py, "-m", "api", "worker"], self.env)
+        self.worker = self.children.spawn(f"{self.name}-worker", [*py_m, "worker"], self.env)
         log = self.children.log_dir / f"{self.name}-worker.log"
         wait_until(
             lambda: "ready: taking responses" in log.read_text(errors="replace"), 90, "worker", self.worker
@@ -156,6 +161,14 @@ async def main_async(args: argparse.Namespace) -> None:
         from worker.postgres.migrate import migrate
 
         migrate(pg.url)
+        if args.pg_log:  # every statement into Postgres's log (in the kept data dir)
+            import psycopg
+
+            with psycopg.connect(
+                pg.url.replace("postgresql+psycopg", "postgresql"), autocommit=True
+            ) as connection:
+                connection.execute("ALTER SYSTEM SET log_statement = 'all'")
+                connection.execute("SELECT pg_reload_conf()")
         base_env = {**os.environ, "RESPOOL_REDIS_URL": rds.url, "RESPOOL_DATABASE_URL": pg.url}
         for key in ("RESPOOL_API_KEYS", "RESPOOL_WEBHOOK_URL", "RESPOOL_CONFIG", "RESPOOL_MAX_QUEUE_DEPTH"):
             base_env.pop(key, None)
@@ -210,11 +223,13 @@ async def main_async(args: argparse.Namespace) -> None:
                 for build in order:
                     await asyncio.sleep(0.5)
                     spies = _spy(args, build, name) if round_ == 0 and build.name == "A" else []
+                    if spies:
+                        await asyncio.sleep(1.0)  # attached
                     before = read_all(build, servers, r)
                     units, summary = await scenario(build, name)
                     after = read_all(build, servers, r)
                     for spy in spies:
-                        spy.send_signal(signal.SIGINT)
+                        spy.send_signal(signal.SIGINT if not args.strace else signal.SIGTERM)
                         spy.wait()
                     row = {key: after[key] - before.get(key, 0.0) for key in after}
                     row["units"] = units
@@ -270,6 +285,27 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
     if not args.spy:
         return []
     Path(args.spy).mkdir(parents=True, exist_ok=True)
+    if args.strace:
+        return [
+            subprocess.Popen(
+                [
+                    "strace",
+                    "-f",
+                    "-tt",
+                    "-e",
+                    "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev",
+                    "-s",
+                    "64",
+                    "-p",
+                    str(process.pid),
+                    "-o",
+                    f"{args.spy}/{name}-{role}.strace",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for role, process in build.roles.items()
+        ]
     if args.perf:
         return [
             subprocess.Popen(
@@ -298,7 +334,8 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
                 "250",
                 "-f",
                 "raw",
-                "--nonblocking",
+                *(["--native"] if args.native else []),
+                *([] if args.native else ["--nonblocking"]),
                 "-p",
                 str(process.pid),
                 "-o",
@@ -348,6 +385,9 @@ def main() -> None:
     parser.add_argument(
         "--perf", action="store_true", help="with --spy: perf, not py-spy (PYTHONPERFSUPPORT set)"
     )
+    parser.add_argument("--native", action="store_true", help="with --spy: py-spy --native")
+    parser.add_argument("--pg-log", action="store_true", help="log every Postgres statement (with --keep)")
+    parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
     args = parser.parse_args()
     args.a, args.b = str(Path(args.a).resolve()), str(Path(args.b).resolve())
