@@ -40,17 +40,19 @@ import math
 import random
 import re
 from asyncio import sleep
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from functools import partial
 from typing import Any
 
 import aiohttp
 import httpx2
 import orjson
 from httpx_aiohttp.httpx2 import Httpx2AiohttpClient
+from httpx_aiohttp.httpx2.transport import AiohttpResponseStream, map_aiohttp_exceptions
 
 from worker.errors import TransientUpstreamError, UpstreamError
 from worker.routing import Route
@@ -299,9 +301,9 @@ async def _attempt(
             if reply.status_code >= 400:
                 raise await _status_error(reply)
             is_ended = is_done = False
-            lines, chunks = _Lines(), silence.chunks(_body(reply))
+            lines, next_chunk = _Lines(), silence.reader(reply)
             while not is_done:
-                chunk = await anext(chunks, None)  # None: the body ended (a last line unended goes now)
+                chunk = await next_chunk()  # None: the body ended (a last line unended goes now)
                 for line in lines.split(b"\n" if chunk is None else chunk):
                     payload = _data(line)
                     if payload is _DONE:
@@ -315,6 +317,7 @@ async def _attempt(
             if not is_ended:
                 raise _unfinished(kind, is_done)
         finally:
+            silence.stop()
             await reply.aclose()
     except httpx2.HTTPError as exc:
         raise _map_httpx_error(exc, request, client.timeout).redact(_sent_key(request)) from exc
@@ -339,6 +342,49 @@ class _Silence:
         self._last = self._loop.time()
         self._waiting = False
         self._timer: asyncio.TimerHandle | None = None
+
+    def reader(self, reply: httpx2.Response) -> Callable[[], Awaitable[bytes | None]]:
+        """What reads the body's next chunk (None at its end), within the bound: straight from
+        aiohttp's reader where aiohttp's transport brought the body as sent, else through httpx's
+        body (a compressed one, another transport's)."""
+        content = _aiohttp_content(reply)
+        if content is None:
+            chunks = self.chunks(_body(reply))
+            return partial(anext, chunks, None)
+        if self.seconds is not None:
+            self._last = self._loop.time()
+            self._timer = self._loop.call_at(self._last + self.seconds, self._check)
+        return partial(self._read_from, content)
+
+    async def _read_from(self, content: aiohttp.StreamReader) -> bytes | None:
+        """The next chunk of an aiohttp body (None at its end): one call a chunk, where httpx's byte
+        stream, aiohttp's chunk iterator and a generator of chunks were three layers a token (issue
+        20). Its faults come as httpx's, as through the transport (`_map_httpx_error` reads both)."""
+        self._task, self._waiting = asyncio.current_task(), True
+        try:
+            chunk = await content.readany()
+        except asyncio.CancelledError:
+            if self.is_stalled and self._task is not None and self._task.uncancel() == 0:
+                self.stop()
+                raise TimeoutError from None  # ours alone: the stall
+            raise
+        except aiohttp.ClientError:
+            self.stop()
+            with map_aiohttp_exceptions():
+                raise
+        finally:
+            self._waiting = False
+        if not chunk:
+            self.stop()
+            return None
+        self._last = self._loop.time()
+        return chunk
+
+    def stop(self) -> None:
+        """No more bound: the body is read, or its reading is over."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def chunks(self, stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes]:
         """`stream`'s chunks; `TimeoutError` (`is_stalled` then true) once it was silent for `seconds`."""
@@ -374,6 +420,18 @@ class _Silence:
             self._task.cancel()
             return
         self._timer = self._loop.call_at(max(due, now + self.seconds / 8), self._check)
+
+
+def _aiohttp_content(reply: httpx2.Response) -> aiohttp.StreamReader | None:
+    """The aiohttp reader of a body aiohttp's transport brought uncompressed (else None)."""
+    stream = reply.stream
+    if not isinstance(stream, AiohttpResponseStream):
+        return None
+    encoding = reply.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return None
+    response: aiohttp.ClientResponse = stream._aiohttp_response
+    return response.content
 
 
 def _body(reply: httpx2.Response) -> AsyncIterator[bytes]:

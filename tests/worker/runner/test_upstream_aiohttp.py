@@ -1,0 +1,109 @@
+"""The upstream call over aiohttp's transport itself (the worker's own client), against the real
+scripted upstream over loopback: a body is read straight from aiohttp's reader, bounded in its
+silences, cut short or cancelled as through the transport (issue 20; the unit tests in
+test_upstream.py read bodies through httpx's mock transport, the other path)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.support.upstream_process import ScriptedUpstream
+from worker.errors import TransientUpstreamError, UpstreamError
+from worker.routing import Route, UpstreamApi
+from worker.runner import upstream as upstream_module
+from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_json
+
+pytestmark = pytest.mark.integration
+
+NO_RETRIES = RetryPolicy(retries=0)
+
+
+def _scripted(upstream: ScriptedUpstream, script: dict[str, Any]) -> tuple[Route, dict[str, Any]]:
+    model = f"aio-{uuid.uuid4().hex[:8]}"
+    upstream.script(model, script)
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    return Route(model, UpstreamApi.CHAT, upstream.base_url + "/v1"), body
+
+
+async def _words(route: Route, body: dict[str, Any], stall_seconds: float = 300.0) -> list[str]:
+    client = create_client(stall_seconds, 4)
+    try:
+        words = []
+        async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
+            for choice in chunk.get("choices") or []:
+                words.append((choice.get("delta") or {}).get("content") or "")
+        return [word for word in words if word]
+    finally:
+        await client.aclose()
+
+
+async def test_a_body_is_read_from_aiohttps_reader_whole(
+    upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every word arrives, in order, and the body was read from aiohttp's own reader (not through
+    httpx's byte stream, the other path)."""
+    taken: list[object] = []
+    content_of = upstream_module._aiohttp_content
+
+    def spied(reply: Any) -> Any:
+        content = content_of(reply)
+        taken.append(content)
+        return content
+
+    monkeypatch.setattr(upstream_module, "_aiohttp_content", spied)
+    route, body = _scripted(upstream, {"text": "one two three four five", "delay": 0.01})
+    assert await _words(route, body) == ["one ", "two ", "three ", "four ", "five"]
+    assert len(taken) == 1 and taken[0] is not None
+
+
+async def test_a_silence_past_the_bound_is_a_stall_and_a_steady_body_is_not(
+    upstream: ScriptedUpstream,
+) -> None:
+    """Words 0.1 s apart for half a second arrive whole under a 0.3 s bound; headers then silence
+    (the upstream hangs) is a stall, saying how long."""
+    route, body = _scripted(upstream, {"text": "a b c d e", "delay": 0.1})
+    assert await _words(route, body, stall_seconds=0.3) == ["a ", "b ", "c ", "d ", "e"]
+    route, body = _scripted(upstream, {"hang": True})
+    with pytest.raises(TransientUpstreamError, match=r"sent nothing for 0\.3 s"):
+        await _words(route, body, stall_seconds=0.3)
+
+
+async def test_a_body_cut_after_output_is_a_fault_said_as_such(upstream: ScriptedUpstream) -> None:
+    """The connection closed after two frames, without the body's end: a transient fault (the
+    caller decides: after output it is final), saying the answer was cut short."""
+    route, body = _scripted(upstream, {"text": "a b c d e f", "drop_after": 2})
+    client = create_client(300.0, 4)
+    got: list[dict[str, Any]] = []
+
+    async def read() -> None:
+        async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
+            got.append(chunk)
+
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await read()
+    finally:
+        await client.aclose()
+    assert got  # the frames before the cut came
+    assert isinstance(raised.value, TransientUpstreamError)
+    assert "cut its answer short (its connection closed mid-body)" in str(raised.value)
+
+
+async def test_a_cancel_while_the_body_is_silent_is_a_cancel_and_leaves_no_timer(
+    upstream: ScriptedUpstream,
+) -> None:
+    """A reader cancelled while it waits for the next chunk is cancelled (not taken for a stall),
+    and the silence bound's timer goes with it."""
+    route, body = _scripted(upstream, {"text": "a b", "delay": 5.0, "first_delay": 0.0})
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(_words(route, body, stall_seconds=1.0))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    timers = [handle for handle in loop._scheduled if "_check" in repr(handle) and not handle.cancelled()]  # type: ignore[attr-defined]
+    assert timers == []
