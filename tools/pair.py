@@ -201,7 +201,8 @@ async def main_async(args: argparse.Namespace) -> None:
         servers = {"redis": psutil.Process(rds.process.pid), "pg": psutil.Process(pg.process.pid)}
         direct = Target("direct", upstream_url, Api.CHAT)
         for build in builds:  # warm up
-            await load.streams(build.target, concurrency=4, count=8, tokens=4, pace_ms=1)
+            # As many at once as the largest scenario: every pool has grown before anything is measured.
+            await load.streams(build.target, concurrency=100, count=100, tokens=4, pace_ms=1)
             await load.short_count(
                 build.target,
                 background=False,

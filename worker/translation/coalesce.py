@@ -35,9 +35,17 @@ def merge_deltas(events: list[EventBody]) -> list[EventBody]:
 
 
 def _same_part(first: EventBody, second: EventBody) -> bool:
-    if first["type"] != second["type"] or first["type"] not in MERGEABLE:
+    kind = first["type"]
+    if kind != second["type"] or kind not in MERGEABLE:
         return False
-    keys = (first.keys() | second.keys()) - _JOINED
+    # As every translation writes them, the same keys: compared in place, in a loop (the sets and
+    # the generator below were 4% of a worker's CPU a token, issue 20; a generator here, half again).
+    if first.keys() == second.keys():
+        for key, value in first.items():  # noqa: SIM110 (see above)
+            if value != second[key] and key not in _JOINED:
+                return False
+        return True
+    keys = (first.keys() | second.keys()) - _JOINED  # a key one lacks reads as None
     return all(first.get(key) == second.get(key) for key in keys)
 
 

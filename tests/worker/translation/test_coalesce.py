@@ -53,3 +53,16 @@ def test_nothing_is_lost_or_reordered() -> None:
     texts = [f"t{i} " for i in range(50)]
     merged = merge_deltas([_delta(text) for text in texts])
     assert "".join(event["delta"] for event in merged) == "".join(texts)
+
+
+def test_deltas_whose_keys_differ_are_compared_by_value_a_missing_one_as_none() -> None:
+    """One delta with logprobs and one without, or a key one has as None that the other lacks: one
+    part still. A key whose values differ keeps them apart, whichever delta has it."""
+    assert merge_deltas([_delta("a", logprobs=[{"token": "a"}]), _delta("b")]) == [
+        _delta("ab", logprobs=[{"token": "a"}])
+    ]
+    assert merge_deltas([_delta("a", obfuscation=None), _delta("b")]) == [_delta("ab", obfuscation=None)]
+    assert merge_deltas([_delta("a"), _delta("b", obfuscation="x")]) == [
+        _delta("a"),
+        _delta("b", obfuscation="x"),
+    ]
