@@ -282,66 +282,22 @@ ROLES = ("api", "worker", "redis", "pg")
 
 
 def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.Popen[bytes]]:
-    """py-spy on the build's API and worker for one scenario (`--spy DIR`): raw stacks, folded."""
+    """A profiler on the build's API and worker for one scenario (`--spy DIR`): py-spy's raw stacks
+    (folded), or perf's record (`--perf`), or strace's lines (`--strace`)."""
     if not args.spy:
         return []
     Path(args.spy).mkdir(parents=True, exist_ok=True)
     if args.strace:
-        return [
-            subprocess.Popen(
-                [
-                    "strace",
-                    "-f",
-                    "-tt",
-                    "-e",
-                    "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev",
-                    "-s",
-                    "64",
-                    "-p",
-                    str(process.pid),
-                    "-o",
-                    f"{args.spy}/{name}-{role}.strace",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for role, process in build.roles.items()
-        ]
-    if args.perf:
-        return [
-            subprocess.Popen(
-                [
-                    "perf",
-                    "record",
-                    "-F",
-                    "499",
-                    "-g",
-                    "-p",
-                    str(process.pid),
-                    "-o",
-                    f"{args.spy}/{name}-{role}.perf",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for role, process in build.roles.items()
-        ]
+        calls = "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev"
+        tool, suffix = ["strace", "-f", "-tt", "-e", calls, "-s", "64", "-o"], "strace"
+    elif args.perf:
+        tool, suffix = ["perf", "record", "-F", "499", "-g", "-o"], "perf"
+    else:
+        how = ["--native"] if args.native else ["--nonblocking"]
+        tool, suffix = [args.py_spy, "record", "-r", "250", "-f", "raw", *how, "-o"], "txt"
     return [
         subprocess.Popen(
-            [
-                args.py_spy,
-                "record",
-                "-r",
-                "250",
-                "-f",
-                "raw",
-                *(["--native"] if args.native else []),
-                *([] if args.native else ["--nonblocking"]),
-                "-p",
-                str(process.pid),
-                "-o",
-                f"{args.spy}/{name}-{role}.txt",
-            ],
+            [*tool, f"{args.spy}/{name}-{role}.{suffix}", "-p", str(process.pid)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
