@@ -351,10 +351,14 @@ class _Silence:
         if content is None:
             chunks = self.chunks(_body(reply))
             return partial(anext, chunks, None)
+        self._arm()
+        return partial(self._read_from, content)
+
+    def _arm(self) -> None:
+        """The bound starts now: its one timer."""
         if self.seconds is not None:
             self._last = self._loop.time()
             self._timer = self._loop.call_at(self._last + self.seconds, self._check)
-        return partial(self._read_from, content)
 
     async def _read_from(self, content: aiohttp.StreamReader) -> bytes | None:
         """The next chunk of an aiohttp body (None at its end): one call a chunk, where httpx's byte
@@ -389,9 +393,7 @@ class _Silence:
     async def chunks(self, stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes]:
         """`stream`'s chunks; `TimeoutError` (`is_stalled` then true) once it was silent for `seconds`."""
         iterator = aiter(stream)
-        if self.seconds is not None:
-            self._last = self._loop.time()
-            self._timer = self._loop.call_at(self._last + self.seconds, self._check)
+        self._arm()
         try:
             while True:
                 self._task, self._waiting = asyncio.current_task(), True
@@ -425,21 +427,22 @@ class _Silence:
 def _aiohttp_content(reply: httpx2.Response) -> aiohttp.StreamReader | None:
     """The aiohttp reader of a body aiohttp's transport brought uncompressed (else None)."""
     stream = reply.stream
-    if not isinstance(stream, AiohttpResponseStream):
-        return None
-    encoding = reply.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
+    if not isinstance(stream, AiohttpResponseStream) or not _is_identity(reply):
         return None
     response: aiohttp.ClientResponse = stream._aiohttp_response
     return response.content
+
+
+def _is_identity(reply: httpx2.Response) -> bool:
+    """Whether the body comes as sent (no content encoding)."""
+    return reply.headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
 
 
 def _body(reply: httpx2.Response) -> AsyncIterator[bytes]:
     """The body's chunks, from the response's byte stream itself: httpx's line iterator stacks four
     generators per chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent
     compressed is read through httpx's decoding."""
-    encoding = reply.headers.get("content-encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
+    if _is_identity(reply):
         return aiter(reply.stream)  # type: ignore[arg-type]  # an AsyncByteStream: the client is async
     return reply.aiter_bytes()
 
