@@ -26,19 +26,28 @@ def _scripted(upstream: ScriptedUpstream, script: dict[str, Any]) -> tuple[Route
     model = f"aio-{uuid.uuid4().hex[:8]}"
     upstream.script(model, script)
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    return Route(model, UpstreamApi.CHAT, upstream.base_url + "/v1"), body
+    return Route(model, UpstreamApi.CHAT, upstream.url), body
+
+
+async def _read(
+    route: Route, body: dict[str, Any], got: list[dict[str, Any]], stall_seconds: float = 300.0
+) -> None:
+    """Every payload of the call into `got`, on the worker's own client (aiohttp's transport)."""
+    client = create_client(stall_seconds, 4)
+    try:
+        async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
+            got.append(chunk)
+    finally:
+        await client.aclose()
 
 
 async def _words(route: Route, body: dict[str, Any], stall_seconds: float = 300.0) -> list[str]:
-    client = create_client(stall_seconds, 4)
-    try:
-        words = []
-        async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
-            for choice in chunk.get("choices") or []:
-                words.append((choice.get("delta") or {}).get("content") or "")
-        return [word for word in words if word]
-    finally:
-        await client.aclose()
+    got: list[dict[str, Any]] = []
+    await _read(route, body, got, stall_seconds)
+    words = [
+        (choice.get("delta") or {}).get("content") for chunk in got for choice in chunk.get("choices") or []
+    ]
+    return [word for word in words if word]
 
 
 async def test_a_body_is_read_from_aiohttps_reader_whole(
@@ -76,18 +85,9 @@ async def test_a_body_cut_after_output_is_a_fault_said_as_such(upstream: Scripte
     """The connection closed after two frames, without the body's end: a transient fault (the
     caller decides: after output it is final), saying the answer was cut short."""
     route, body = _scripted(upstream, {"text": "a b c d e f", "drop_after": 2})
-    client = create_client(300.0, 4)
     got: list[dict[str, Any]] = []
-
-    async def read() -> None:
-        async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
-            got.append(chunk)
-
-    try:
-        with pytest.raises(UpstreamError) as raised:
-            await read()
-    finally:
-        await client.aclose()
+    with pytest.raises(UpstreamError) as raised:
+        await _read(route, body, got)
     assert got  # the frames before the cut came
     assert isinstance(raised.value, TransientUpstreamError)
     assert "cut its answer short (its connection closed mid-body)" in str(raised.value)
