@@ -540,7 +540,11 @@ class ResponseService:
     ) -> AsyncIterator[Event | None]:
         """Postgres commits a response's end before its writer appends the terminal event (DESIGN.md
         §2.3). If that event does not come while the relay waits, the writer died in between: the
-        stream is ended from Postgres here (its lease has expired by then) and that end relayed."""
+        stream is ended from Postgres here (its lease has expired by then) and that end relayed.
+
+        A stream that has its terminal event (`after` was past it) or is gone (it expired while the
+        relay started) is left as it is: ending it again would restart its retention clock at each
+        such replay, or bring an expired stream back as its terminal event alone."""
         position, is_ended = after, False
         async with contextlib.aclosing(events):
             async for item in events:
@@ -548,6 +552,9 @@ class ResponseService:
                     position, is_ended = item.sequence_number, item.is_terminal
                 yield item
             if not is_ended and position >= 0:
+                newest = await last_event(self.redis, response_id)
+                if newest is None or newest.is_terminal:
+                    return
                 await self.cancellation.end_stream(response_id, final)
                 for event in await read_events(self.redis, response_id, position):
                     yield event

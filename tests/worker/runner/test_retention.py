@@ -72,11 +72,12 @@ def _expired(sdk: openai.OpenAI, response_id: str, starting_after: int | None) -
     return None
 
 
-@pytest.mark.parametrize("starting_after", [None, 3])
+@pytest.mark.parametrize("starting_after", [None, 3, 100_000])
 def test_an_expired_stream_is_an_explicit_error(
     short_lived: openai.OpenAI, starting_after: int | None, backing: Servers
 ) -> None:
-    """Once a finished response's events expire, streaming it (from any offset) is a 400, never an empty success."""
+    """Once a finished response's events expire, streaming it (from any offset) is a 400, never an
+    empty success; replaying it past its end meanwhile (100 000) does not keep it."""
     response = short_lived.responses.create(model="synthetic", input="x")
     assert response.status == "completed"
     try:
