@@ -78,16 +78,42 @@ async def test_a_lone_stream_is_relayed_event_by_event_without_waiting(
         await tailer.stop()
 
 
+async def test_a_lone_stream_whose_events_come_together_waits_for_nothing(
+    backing: Servers, redis: Redis
+) -> None:
+    """A read that brings several events of one stream (a response's first ones come together) is
+    followed at once: with an hour's interval, the next event still comes."""
+    tailer = await _tailer(backing, redis, batch_seconds=3600)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        events = await _followed_past_its_start(tailer, redis, response_id)
+        waiting = asyncio.ensure_future(_next(events))
+        await asyncio.sleep(0.2)  # the follower is live: the tailer blocks on its stream
+        async with redis.pipeline(transaction=True) as pipe:  # two events at once: one read of two
+            add_events(pipe, response_id, [encode({"type": "response.in_progress"}, n) for n in (1, 2)])
+            await pipe.execute()
+        assert (await waiting).sequence_number == 1
+        assert (await _next(events)).sequence_number == 2
+        await _append(redis, response_id, 3)
+        assert (await _next(events)).sequence_number == 3
+        await events.aclose()
+    finally:
+        await tailer.stop()
+
+
 async def test_under_load_one_read_brings_many_streams_events(
     backing: Servers, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After a read that brought more than one event, the next waits out the interval and brings
-    what every stream appended meanwhile, to each follower in order."""
+    """After a read that brought events of more than one stream, the next waits out the interval
+    and brings what every stream appended meanwhile, to each follower in order."""
     tailer = await _tailer(backing, redis, batch_seconds=2.0)
     reads: list[int] = []
     read_once = tailer._read_once
+    may_read = asyncio.Event()
+    may_read.set()
 
     async def counted() -> int:
+        await may_read.wait()
         brought = await read_once()
         if brought:
             reads.append(brought)
@@ -99,22 +125,21 @@ async def test_under_load_one_read_brings_many_streams_events(
         followers = [await _followed_past_its_start(tailer, redis, response_id) for response_id in ids]
         waiting = [asyncio.ensure_future(_next(events)) for events in followers]
         await asyncio.sleep(0.2)  # the followers are live: the tailer blocks on their streams
-        async with redis.pipeline(transaction=True) as pipe:  # two events at once: one read of two
-            add_events(pipe, ids[0], [encode({"type": "response.in_progress"}, n) for n in (1, 2)])
-            await pipe.execute()
+        may_read.clear()  # the read under way brings one stream's event; the next waits for `may_read`
+        await _append(redis, ids[0], 1)
         assert (await waiting[0]).sequence_number == 1
-        assert (await _next(followers[0])).sequence_number == 2
-        for offset in (1, 2):  # then six appends 5 ms apart, within the interval: one read
+        for response_id in ids[1:]:  # two streams' events before the next read: it brings both
+            await _append(redis, response_id, 1)
+        may_read.set()
+        for first in waiting[1:]:
+            assert (await first).sequence_number == 1
+        for offset in (2, 3):  # then six appends 5 ms apart, within the interval: one read
             for response_id in ids:
-                await _append(redis, response_id, offset + (2 if response_id == ids[0] else 0))
+                await _append(redis, response_id, offset)
                 await asyncio.sleep(0.005)
-        got = [[(await _next(events)).sequence_number for _ in range(2)] for events in followers[:1]]
-        got += [
-            [(await first).sequence_number, (await _next(events)).sequence_number]
-            for first, events in zip(waiting[1:], followers[1:], strict=True)
-        ]
-        assert got == [[3, 4], [1, 2], [1, 2]]
-        assert reads == [2, 6]
+        got = [[(await _next(events)).sequence_number for _ in range(2)] for events in followers]
+        assert got == [[2, 3]] * 3
+        assert reads == [1, 2, 3]
         for events in followers:
             await events.aclose()
     finally:
