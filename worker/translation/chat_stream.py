@@ -101,10 +101,13 @@ def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[EventBody]
     # respool never asks for n > 1, so the first choice is the only one.
     choice = choices[0]
     delta = choice.get("delta") or {}
-    events = _on_reasoning(state, delta)
-    events += _on_content(state, delta, choice.get("logprobs"))
-    events += output.append_text(state.output, "message", "refusal", delta.get("refusal"))
-    for tool_call in delta.get("tool_calls") or []:
+    # Each kind of delta only where the chunk has one (a token's chunk has one kind: issue 20).
+    events = _on_reasoning(state, delta) if "reasoning_content" in delta or "reasoning" in delta else []
+    if delta.get("content"):
+        events += _on_content(state, delta, choice.get("logprobs"))
+    if delta.get("refusal"):
+        events += output.append_text(state.output, "message", "refusal", delta["refusal"])
+    for tool_call in delta.get("tool_calls") or ():
         events += _on_tool_call(state, tool_call)
     if choice.get("finish_reason"):
         state.finish_reason = choice["finish_reason"]
@@ -166,7 +169,9 @@ def _on_reasoning(state: ChatStream, delta: dict[str, Any]) -> list[EventBody]:
 
 
 def _on_content(state: ChatStream, delta: dict[str, Any], logprobs: dict[str, Any] | None) -> list[EventBody]:
-    tokens = ((logprobs or {}).get("content") or []) if state.include_logprobs else []
+    if not state.include_logprobs:
+        return output.append_text(state.output, "message", "output_text", delta.get("content"))
+    tokens = (logprobs or {}).get("content") or []
     return output.append_text(
         state.output,
         "message",

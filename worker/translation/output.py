@@ -51,6 +51,9 @@ PART_EVENTS = {
     "summary_text": ("response.reasoning_summary_text", "text"),
 }
 
+# Per part type, the type of its delta events.
+_DELTA_TYPES = {part_type: f"{prefix}.delta" for part_type, (prefix, _) in PART_EVENTS.items()}
+
 # The fields of an item that this module owns; any other field a caller gives is kept as given.
 # `item_id` is no item field: vLLM's harmony tool calls put the upstream's own id there.
 _OWNED = frozenset({"id", "type", "status", "content", "summary", "arguments", "input", "item_id"})
@@ -112,18 +115,36 @@ def append_text(
     """A delta of `part_type` text in the open `item_type` item, opening item and part as needed."""
     if not text:
         return []
-    events = _ensure_part(out, item_type, part_type)
     item = out.current
-    assert item is not None
+    # A token's case first: the open part takes it as it is (issue 20: the general path's checks
+    # and dicts were half this function's cost).
+    if (
+        item is not None
+        and item.parts
+        and item.parts[-1].is_open
+        and item.parts[-1].type == part_type
+        and item.type == item_type
+    ):
+        events: list[EventBody] = []
+    else:
+        events = _ensure_part(out, item_type, part_type)
+        item = out.current
+        assert item is not None
     part = item.parts[-1]
     part.text.append(text)
-    delta: EventBody = {"type": f"{PART_EVENTS[part_type][0]}.delta", **address(item)}
-    delta.update(content_index=len(item.parts) - 1, delta=text)
+    delta: EventBody = {
+        "type": _DELTA_TYPES[part_type],
+        "item_id": item.id,
+        "output_index": item.output_index,
+        "content_index": len(item.parts) - 1,
+        "delta": text,
+    }
     if part_type == "output_text":
         tokens = list(logprobs)
         part.logprobs.extend(tokens)
         delta["logprobs"] = tokens
-    return [*events, delta]
+    events.append(delta)
+    return events
 
 
 def start_item(out: Output, item_type: str, fields: dict[str, Any] | None = None) -> list[EventBody]:
