@@ -35,6 +35,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -240,8 +241,15 @@ def _build_request(
     # not by the client (which merges in its headers, cookies and parameters: none an upstream call
     # has); the client's timeouts go with it.
     timeout = {"timeout": client.timeout.as_dict()}
-    url = route.base_url + path
+    url = _url(route.base_url + path)
     return httpx2.Request("POST", url, content=orjson.dumps(body), headers=headers, extensions=timeout)
+
+
+@functools.lru_cache(maxsize=256)
+def _url(text: str) -> httpx2.URL:
+    """An upstream URL, parsed once: a request built from the text parsed it each time, half of the
+    request's 24 µs (issue 20)."""
+    return httpx2.URL(text)
 
 
 async def _send(client: httpx2.AsyncClient, request: httpx2.Request) -> httpx2.Response:
