@@ -41,6 +41,7 @@ from worker.keys import (
     events_key,
     held_key,
     lease_key,
+    observed_key,
     queue_key,
     queued_key,
     secrets_key,
@@ -59,14 +60,16 @@ RESULT_TTL = 600
 TICKET_SECONDS = 10
 TICKET_MAX_BYTES = 64 * 1024  # a Codex CLI first request takes 45 KiB
 
-# KEYS: events, queued marker, held, queue, ticket, secrets. ARGV: response id, the queue's name,
-# ticket ("" for none), its seconds, secrets ("" for none), their seconds, then each first event's
-# entry id, type and data. `ResponseQueue.enqueue`: one script, sent bare (a MULTI through
-# redis-py's pipeline cost 136 µs of the API's CPU against 50, in a loop on this project's machine).
+# KEYS: events, queued marker, held, queue, ticket, secrets, observed mark. ARGV: response id, the
+# queue's name, ticket ("" for none), its seconds, secrets ("" for none), their seconds, whether its
+# creator relays it ("1" or ""), then each first event's entry id, type and data.
+# `ResponseQueue.enqueue`: one script, sent bare (a MULTI through redis-py's pipeline cost 136 µs of
+# the API's CPU against 50, in a loop on this project's machine).
 _ENQUEUE = """
 if ARGV[3] ~= '' then redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[6], ARGV[5], 'EX', ARGV[6]) end
-for i = 7, #ARGV, 3 do redis.call('XADD', KEYS[1], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2]) end
+if ARGV[7] ~= '' then redis.call('SET', KEYS[7], '1') end
+for i = 8, #ARGV, 3 do redis.call('XADD', KEYS[1], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2]) end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[3], 'inf', ARGV[1])
 redis.call('RPUSH', KEYS[4], ARGV[1])
@@ -162,10 +165,14 @@ class ResponseQueue:
         first_events: list[Event],
         secrets: tuple[bytes, int] | None = None,
         ticket: bytes | None = None,
+        *,
+        is_relayed: bool = False,
     ) -> None:
         """Append the response's first events and queue it, in one script (DESIGN.md §2.1); with
         `secrets` (its tools' secrets, and how many seconds to keep them), those too, and its
-        `ticket` if it has one."""
+        `ticket` if it has one. `is_relayed`: its creator follows it from its first event (a
+        foreground or streamed create), so it is marked observed here, as a relay's first read
+        marks it (DESIGN.md §4, "Orphans"), and that follow needs no read of its own to mark it."""
         keys = (
             events_key(response_id),
             queued_key(response_id),
@@ -173,9 +180,11 @@ class ResponseQueue:
             self.key,
             ticket_key(response_id),
             secrets_key(response_id),
+            observed_key(response_id),
         )
         args: list[str | bytes | int] = [response_id, self.name, ticket or b"", TICKET_SECONDS]
         args += (b"", 0) if secrets is None else secrets
+        args.append(b"1" if is_relayed else b"")
         for event in first_events:
             args += (entry_id(event.sequence_number), event.type, event.data)
         try:

@@ -19,6 +19,7 @@ from worker.events.stream import encode, read_events
 from worker.keys import (
     held_key,
     lease_key,
+    observed_key,
     queue_key,
     queued_key,
     secrets_key,
@@ -77,7 +78,20 @@ async def test_an_enqueued_response_waits_with_its_first_events_and_secrets(
     assert await queue.depth() == 1
     assert await redis.get(queued_key(rid)) == queue.name.encode()  # whatever the queue, a sweep sees it held
     assert await held_by_a_queue(redis, [rid, "resp_none"]) == [True, False]
+    assert not await redis.exists(observed_key(rid))  # nobody follows it yet: it may start over
     await redis.delete(secrets_key(rid), f"respool:{{{rid}}}:events")
+
+
+async def test_a_response_its_create_relays_is_observed_from_its_enqueue(
+    redis: Redis, queue: ResponseQueue
+) -> None:
+    """A foreground or streamed create follows its response from the first event: it is marked
+    observed in the enqueue's own step, as a relay's first read would mark it."""
+    (rid,) = _ids(1)
+    await queue.enqueue(rid, [encode({"type": "response.created"}, 0)], is_relayed=True)
+    assert await redis.get(observed_key(rid)) == b"1"
+    assert [event.type for event in await read_events(redis, rid)] == ["response.created"]
+    await redis.delete(observed_key(rid), f"respool:{{{rid}}}:events")
 
 
 async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_list(

@@ -162,7 +162,7 @@ class ResponseService:
             raise
         if not request.is_stream:
             return Created(response, request)
-        events = self.follow(response["id"], -1, self.settings.sse_heartbeat_seconds)
+        events = self.tailer.follow(response["id"], -1, self.settings.sse_heartbeat_seconds, is_new=True)
         return Created(response, request, Stream(events, -1, slot))
 
     def _own_items(self, request: CreateRequest) -> list[dict[str, Any]]:
@@ -371,7 +371,9 @@ class ResponseService:
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
         kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
-        await self.queue.enqueue(response["id"], first, kept, ticket)
+        # A create that answers with the response's events or its end follows it from the first.
+        is_relayed = request.is_stream or not request.is_background
+        await self.queue.enqueue(response["id"], first, kept, ticket, is_relayed=is_relayed)
 
     async def _enqueue_failed(self, owner: str, response: dict[str, Any], exc: RedisError) -> NoReturn:
         """Whether the response reached the queue is unknown (a timeout may come after Redis ran
@@ -560,9 +562,10 @@ class ResponseService:
                     yield event
 
     async def wait(self, response_id: str) -> dict[str, Any]:
-        """Hold a foreground request until its terminal event, and return its Response."""
+        """Hold a foreground request, just created here, until its terminal event, and return its
+        Response."""
         try:
-            async for event in self.follow(response_id):
+            async for event in self.tailer.follow(response_id, is_new=True):
                 if event is not None and event.is_terminal:
                     response: dict[str, Any] = event.payload()["response"]
                     return response

@@ -148,7 +148,13 @@ class Tailer:
         await self._blocking.aclose()
 
     async def follow(
-        self, response_id: str, after: int = -1, idle_seconds: float | None = None, is_finished: bool = False
+        self,
+        response_id: str,
+        after: int = -1,
+        idle_seconds: float | None = None,
+        is_finished: bool = False,
+        *,
+        is_new: bool = False,
     ) -> AsyncGenerator[Event | None]:
         """Every event with `sequence_number > after`, stored then live, up to the terminal event.
 
@@ -159,10 +165,17 @@ class Tailer:
 
         The first read marks the response observed, in the same step: from then on no new attempt
         starts its output over (DESIGN.md §4, "Orphans"), which would take back what was relayed.
+        A response its create followed at once (`is_new`) was marked at its enqueue: it is followed
+        from its first event by the live tail alone, with no read before (a round trip less a
+        foreground create, issue 20).
         """
         position = after
-        page = await read_events_observed(self._redis, response_id, position, count=REPLAY_PAGE)
-        while True:  # the replay, page by page
+        page = (
+            []
+            if is_new
+            else await read_events_observed(self._redis, response_id, position, count=REPLAY_PAGE)
+        )
+        while page:  # the replay, page by page
             for event in page:
                 yield event
                 if event.is_terminal:

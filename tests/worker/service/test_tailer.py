@@ -14,6 +14,7 @@ from tests.support.stack import Servers
 from worker.connections import blocking_client
 from worker.events.stream import Event, encode, entry_id
 from worker.keys import events_key
+from worker.service import tailer as tailer_module
 from worker.service.tailer import Tailer
 
 pytestmark = pytest.mark.integration
@@ -97,6 +98,32 @@ async def test_a_lone_stream_whose_events_come_together_waits_for_nothing(
         await _append(redis, response_id, 3)
         assert (await _next(events)).sequence_number == 3
         await events.aclose()
+    finally:
+        await tailer.stop()
+
+
+async def test_a_new_response_is_followed_from_its_first_event_without_a_read_before(
+    backing: Servers, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response its create follows (`is_new`: marked observed at its enqueue) is read by the live
+    tail alone, from its first event: what was appended before the follow began, then what comes."""
+    tailer = await _tailer(backing, redis, batch_seconds=0.0)
+
+    async def no_read(*args: object, **kwargs: object) -> list[Event]:
+        raise AssertionError("a new response's follow reads nothing before the live tail")
+
+    monkeypatch.setattr(tailer_module, "read_events_observed", no_read)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        for sequence_number in (0, 1):
+            await _append(redis, response_id, sequence_number, "response.created")
+        events = tailer.follow(response_id, is_new=True)
+        assert [(await _next(events)).sequence_number for _ in range(2)] == [0, 1]
+        await _append(redis, response_id, 2)
+        await _append(redis, response_id, 3, "response.completed")
+        assert [(await _next(events)).sequence_number for _ in range(2)] == [2, 3]
+        with pytest.raises(StopAsyncIteration):  # it ends at the terminal event
+            await anext(events)
     finally:
         await tailer.stop()
 
