@@ -85,7 +85,28 @@ def rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             )
         for row, value in figures.items():
             table.setdefault(row, {})[name] = value
-    return table
+    return table | _relative(table)
+
+
+# The rows whose cost is also given as a fraction of LiteLLM's in the same run: the machine's speed
+# drifts by as much as 2.8x within a day, and both systems' costs move with it (README, CPU cost).
+_RELATIVE_ROWS = ("CPU µs per token @", "CPU ms per short request", "CPU ms per background response")
+_REFERENCE = "litellm"
+
+
+def _relative(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each system's CPU cost over LiteLLM's, per row of `_RELATIVE_ROWS` that LiteLLM has."""
+    relative: dict[str, dict[str, Any]] = {}
+    for row, values in table.items():
+        reference = values.get(_REFERENCE)
+        if not row.startswith(_RELATIVE_ROWS) or not reference:
+            continue
+        label = row.replace(" µs", "").replace(" ms", "")
+        relative[f"{label}, over LiteLLM's"] = {
+            name: None if value is None or name == _REFERENCE else round(value / reference, 3)
+            for name, value in values.items()
+        }
+    return relative
 
 
 def _get(data: Any, *path: str) -> Any:

@@ -12,10 +12,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from api.bench import stats
+from api.bench import report, stats
 from api.bench.litellm import find_litellm
 from api.bench.load import StreamSample, is_end, tokens_in
 from tests.support.stack import ROOT, Servers
@@ -49,6 +50,29 @@ def test_the_direct_upstream_holds_a_level_while_its_gaps_stay_near_its_pace() -
     assert stats.is_held(steady, stats.over_pace(steady, 20), 25.0)
     late = stats.summarize([StreamSample(tokens=3, ttft=0.002, gaps=[0.020, 0.050])], 3)
     assert not stats.is_held(late, stats.over_pace(late, 20), 25.0)
+
+
+def test_cpu_costs_are_also_told_as_fractions_of_litellms() -> None:
+    """The hour's speed moves both systems' costs: each CPU row LiteLLM has is also given as a
+    fraction of LiteLLM's in the same run (background responses, which LiteLLM has not, are not)."""
+
+    def system(per_token: float, per_short: float, per_background: float | None) -> dict[str, Any]:
+        cpu: dict[str, Any] = {
+            "streams": {"30": {"us_per_token": per_token}},
+            "foreground": {"ms_per_response": per_short},
+        }
+        if per_background is not None:
+            cpu["background"] = {"ms_per_response": per_background}
+        return {"cpu": cpu}
+
+    result = {
+        "plan": {"concurrent": 50, "cost_streams": [30]},
+        "systems": {"litellm": system(1000.0, 10.0, None), "respool": system(170.0, 4.0, 4.5)},
+    }
+    table = report.rows(result)
+    assert table["CPU per token @30, over LiteLLM's"] == {"litellm": None, "respool": 0.17}
+    assert table["CPU per short request, over LiteLLM's"] == {"litellm": None, "respool": 0.4}
+    assert not any(row.startswith("CPU per background response") for row in table)
 
 
 def test_tokens_are_counted_in_delta_frames_only() -> None:
