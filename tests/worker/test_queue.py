@@ -157,22 +157,44 @@ async def test_a_take_that_starts_leases_what_it_popped_in_the_same_round_trip(
     await redis.delete(lease_key(second), f"respool:{{{first}}}:attempt", f"respool:{{{first}}}:events")
 
 
-async def test_a_redis_that_forgot_its_scripts_still_queues_and_starts(
+async def test_a_redis_that_forgot_its_scripts_still_queues_starts_and_finishes(
     redis: Redis, queue: ResponseQueue, popper: Redis
 ) -> None:
-    """The enqueue and the start behind the pop are scripts sent by digest: a Redis that lost its
-    scripts (restarted, or flushed them) gets them again, and the response is queued and started."""
+    """The enqueue, the start behind the pop and the finish are scripts sent by digest: a Redis that
+    lost its scripts (restarted, or flushed them) gets them again, and the response is queued,
+    started and finished."""
     (response_id,) = _ids(1)
     await redis.script_flush()
     await queue.enqueue(response_id, [encode({"type": "response.created"}, 0)], ticket=b"row")
     await redis.script_flush()
-    taken = await queue.take_started(popper, Leases(redis, 6.0), "w1", 1.0)
+    leases = Leases(redis, 6.0)
+    taken = await queue.take_started(popper, leases, "w1", 1.0)
     assert taken is not None
     assert taken[0] == response_id and taken[1] is not None and taken[1].ticket == b"row"
     assert await redis.llen(taking_key(queue.name, "w1")) == 0
-    await redis.delete(
-        lease_key(response_id), f"respool:{{{response_id}}}:attempt", f"respool:{{{response_id}}}:events"
-    )
+    await redis.script_flush()
+    await queue.finished(leases, taken[1].lease)
+    assert response_id not in await _held(redis, queue)
+    assert await redis.exists(lease_key(response_id), queued_key(response_id)) == 0
+    await redis.delete(f"respool:{{{response_id}}}:attempt", f"respool:{{{response_id}}}:events")
+
+
+async def test_a_finish_gives_back_only_its_own_lease(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """A response that ends leaves what the queue holds whatever its lease; a lease that another
+    attempt holds by now (this one expired and was taken over) is left to that attempt."""
+    (response_id,) = _ids(1)
+    await queue.enqueue(response_id, [])
+    leases = Leases(redis, 6.0)
+    taken = await queue.take_started(popper, leases, "w1", 1.0)
+    assert taken is not None and taken[1] is not None
+    await redis.set(lease_key(response_id), "2:w2", px=6000)  # taken over
+    await queue.finished(leases, taken[1].lease)
+    assert response_id not in await _held(redis, queue)
+    assert not await redis.exists(queued_key(response_id))
+    assert await redis.get(lease_key(response_id)) == b"2:w2"
+    await redis.delete(lease_key(response_id), f"respool:{{{response_id}}}:attempt")
 
 
 async def test_a_take_whose_start_fails_puts_what_it_popped_back(
