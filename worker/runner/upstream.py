@@ -35,7 +35,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import random
@@ -46,7 +45,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import aiohttp
@@ -245,7 +244,7 @@ def _build_request(
     return httpx2.Request("POST", url, content=orjson.dumps(body), headers=headers, extensions=timeout)
 
 
-@functools.lru_cache(maxsize=256)
+@lru_cache(maxsize=256)
 def _url(text: str) -> httpx2.URL:
     """An upstream URL, parsed once: a request built from the text parsed it each time, half of the
     request's 24 µs (issue 20)."""

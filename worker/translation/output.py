@@ -115,21 +115,13 @@ def append_text(
     """A delta of `part_type` text in the open `item_type` item, opening item and part as needed."""
     if not text:
         return []
-    item = out.current
     # A token's case first: the open part takes it as it is (issue 20: the general path's checks
     # and dicts were half this function's cost).
-    if (
-        item is not None
-        and item.parts
-        and item.parts[-1].is_open
-        and item.parts[-1].type == part_type
-        and item.type == item_type
-    ):
-        events: list[EventBody] = []
-    else:
-        events = _ensure_part(out, item_type, part_type)
-        item = out.current
-        assert item is not None
+    events = (
+        [] if _has_open_part(out.current, item_type, part_type) else _ensure_part(out, item_type, part_type)
+    )
+    item = out.current
+    assert item is not None
     part = item.parts[-1]
     part.text.append(text)
     delta: EventBody = {
@@ -440,11 +432,20 @@ def _ensure_item(out: Output, item_type: str) -> list[EventBody]:
     return start_item(out, item_type)
 
 
+def _has_open_part(item: Item | None, item_type: str, part_type: str) -> bool:
+    """Whether `item` is of `item_type` and its last part an open one of `part_type`."""
+    return item is not None and item.type == item_type and _last_part_is_open(item, part_type)
+
+
+def _last_part_is_open(item: Item, part_type: str) -> bool:
+    return bool(item.parts) and item.parts[-1].is_open and item.parts[-1].type == part_type
+
+
 def _ensure_part(out: Output, item_type: str, part_type: str) -> list[EventBody]:
     events = _ensure_item(out, item_type)
     item = out.current
     assert item is not None
-    if not item.parts or item.parts[-1].type != part_type or not item.parts[-1].is_open:
+    if not _last_part_is_open(item, part_type):
         events += _open_part(item, part_type)
     return events
 
