@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
 from worker.events.lease import Lease
-from worker.events.stream import AppendResult, Event, EventLog, Outcome, encode, expire_response
+from worker.events.stream import AppendResult, Event, EventLog, Outcome, encode, expire_response, last_event
 from worker.outages import is_outage, patiently
 from worker.translation import coalesce
 
@@ -101,7 +101,7 @@ class ResponseWriter:
 
     async def abandon(self) -> None:
         """Stop appending what was sent (the attempt is over). An append already sent may still land:
-        whoever writes next reads where the stream ends (`_ensure_terminal`)."""
+        whoever writes next reads where the stream ends (`end_stream`)."""
         self._pending.clear()
         self._abandoned = True
         self._failure = self._refused = None
@@ -247,13 +247,18 @@ def next_sequence_after(last: Event | None) -> int:
     return 0 if last is None else last.sequence_number + 1
 
 
-async def end_stream(
-    writer: ResponseWriter, response: dict[str, Any], last: Event | None, ttl_seconds: int
-) -> None:
-    """End the stream with `response`'s terminal event unless `last`, its newest event, already is
-    one; then start its retention clock. The writer's lease must be held."""
+async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_seconds: int) -> None:
+    """End the stream with `response`'s terminal event unless its newest event already is one; then
+    start its retention clock. The writer's lease must be held.
+
+    Where the stream ends is read once the writer has settled: an append of its own still in flight
+    (an abandoned attempt's) may already be in the stream while its outcome is not yet counted, and
+    a newest event read then, counted after, would leave a gap before the terminal event (CI saw
+    `... 11, 12, 16` when a cancel raced a response's last batch)."""
+    await writer.settle()
+    last = await last_event(writer.log.redis, writer.lease.response_id)
     if last is None or not last.is_terminal:
-        if last is not None:  # an append of an abandoned batch may have landed after the writer counted
+        if last is not None:  # an append of another writer's may have landed after this one counted
             writer.next_sequence = next_sequence_after(last)
         await writer.emit([terminal_event(response)], final=True, retain_seconds=ttl_seconds)
     else:

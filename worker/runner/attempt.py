@@ -488,8 +488,7 @@ async def _end_as_stored(rt: Runtime, writer: ResponseWriter) -> None:
     if stored is None:
         await expire_response(rt.redis, writer.lease.response_id, rt.stream_ttl_seconds)
     elif stored.status in TERMINAL:
-        last = await last_event(rt.redis, stored.id)
-        await end_stream(writer, stored.response, last, rt.stream_ttl_seconds)
+        await end_stream(writer, stored.response, rt.stream_ttl_seconds)
 
 
 # --- Postgres, waited for -------------------------------------------------------------------------

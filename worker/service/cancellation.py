@@ -88,6 +88,6 @@ class Cancellation:
         lease, last = acquired
         try:
             writer = ResponseWriter.after(self.log, lease, last)
-            await end_stream(writer, response, last, self.settings.stream_ttl_seconds)
+            await end_stream(writer, response, self.settings.stream_ttl_seconds)
         finally:
             await self.leases.release(lease)

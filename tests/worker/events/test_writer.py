@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
-from worker.events.lease import Lease
-from worker.events.stream import AppendResult, Event
-from worker.events.writer import ResponseWriter
+from worker.events.lease import Lease, Leases
+from worker.events.stream import AppendResult, Event, EventLog, read_events
+from worker.events.writer import ResponseWriter, end_stream
 
 LEASE = Lease("resp_1", 1, "worker-a")
 
@@ -230,3 +233,62 @@ async def test_what_an_abandoned_writers_last_append_met_is_not_raised() -> None
     await writer.abandon()
     log.answer()
     await writer.drain()  # nothing raised: the attempt that sent it is over
+
+
+class LateLog(EventLog):
+    """The real event log on a real Redis, whose first append's outcome reaches its writer only when
+    the test says: its events are in the stream, the round trip's reply not yet counted (as when the
+    reply of a read sent after it is handled first)."""
+
+    def __init__(self, redis: Redis) -> None:
+        super().__init__(redis)
+        self.told: list[tuple[Callable[[Any], object], Any]] = []
+        self.landed = asyncio.Event()
+
+    def submit(
+        self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Any], object]
+    ) -> None:
+        if self.landed.is_set():
+            super().submit(lease, events, retain_seconds, done)
+        else:
+            super().submit(lease, events, retain_seconds, partial(self._hold, done))
+
+    def _hold(self, done: Callable[[Any], object], outcome: Any) -> None:
+        self.told.append((done, outcome))
+        self.landed.set()
+
+    def release(self) -> None:
+        for done, outcome in self.told:
+            done(outcome)
+
+
+@pytest.mark.integration
+async def test_a_stream_is_ended_after_an_abandoned_batch_that_landed_uncounted(redis: Redis) -> None:
+    """A cancel ends an attempt whose last batch is in the stream but not yet counted by its writer;
+    the stream is then ended as stored. Its terminal event follows that batch with no gap (read
+    before the count, the stream's end gave `... 12, 16`: the batch's three numbers skipped)."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await Leases(redis, 5).acquire(response_id, "worker-a")
+    assert lease is not None
+    log = LateLog(redis)
+    writer = ResponseWriter(log, lease, next_sequence=0)
+    writer.send(
+        [
+            {"type": kind}
+            for kind in ("response.created", "response.in_progress", "response.output_item.added")
+        ]
+    )
+    async with asyncio.timeout(5):
+        await log.landed.wait()
+    await writer.abandon()
+    ending = asyncio.create_task(end_stream(writer, {"id": response_id, "status": "cancelled"}, 60))
+    await asyncio.sleep(0.05)  # whatever the ending reads meanwhile, the batch is not yet counted
+    log.release()
+    await ending
+    told = await read_events(redis, response_id)
+    assert [(event.sequence_number, event.type) for event in told] == [
+        (0, "response.created"),
+        (1, "response.in_progress"),
+        (2, "response.output_item.added"),
+        (3, "response.failed"),
+    ]
