@@ -271,6 +271,12 @@ class EventLog:
         self.submit(lease, events, retain_seconds, partial(_settle, future))
         return await future
 
+    async def flushed(self, lease: Lease) -> None:
+        """Return once every append submitted before this call has been told its outcome: round trips
+        go one at a time, in order, so an empty append under `lease` after them is a barrier. Whoever
+        reads where a stream ends for a writer it cannot settle (an attempt that broke) reads after it."""
+        await self.append(lease, [])
+
     def submit(
         self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Outcome], object]
     ) -> None:

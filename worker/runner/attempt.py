@@ -135,6 +135,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
     try:
         async with rt.engine.connect() as conn:
             stored = await store.get_response(conn, lease.response_id)
+        await rt.log.flushed(lease)  # the broken attempt's last append, abandoned, may still be on its way
         last = await last_event(rt.redis, lease.response_id)
         if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
             return stored is None or stored.status in TERMINAL

@@ -291,3 +291,21 @@ async def test_a_lease_is_taken_with_the_streams_newest_event(redis: Redis) -> N
     assert second.attempt == 2
     assert decode_flat(*newest) == (await read_events(redis, response_id))[-1]
     await redis.delete(events_key(response_id), attempt_key(response_id), lease_key(response_id))
+
+
+async def test_flushed_returns_once_every_append_submitted_before_it_was_told(redis: Redis) -> None:
+    """An attempt that broke cannot settle its writer; whoever ends its stream waits at `flushed`
+    for its last append, even one the batch interval still holds back, before reading where the
+    stream ends."""
+    leases = Leases(redis, 5)
+    first, second = [await leases.acquire(f"resp_{uuid.uuid4().hex}", "a") for _ in range(2)]
+    assert first is not None and second is not None
+    log = EventLog(redis, batch_seconds=0.05)
+    told: list[str] = []
+    log.submit(first, [encode(_events(0, 1)[0], 0)], 0, lambda _: told.append("first"))
+    log.submit(second, [encode(_events(0, 1)[0], 0)], 0, lambda _: told.append("second"))
+    await log.append(second, [encode(_events(1, 1)[0], 1)])  # one round trip of three: the next waits 50 ms
+    log.submit(first, [encode(_events(1, 1)[0], 1)], 0, lambda _: told.append("held back"))
+    await log.flushed(first)
+    assert told == ["first", "second", "held back"]
+    assert [event.sequence_number for event in await read_events(redis, first.response_id)] == [0, 1]
