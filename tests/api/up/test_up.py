@@ -18,8 +18,8 @@ from rq import Worker
 from api.up.processes import processes_of
 from tests.conftest import make_sdk
 from tests.support.faults import check_ended, lease_holders, wait_until_ended
+from tests.support.lab import has_output
 from tests.support.stack import free_port, wait_for
-from worker.keys import events_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.once]  # its own embedded servers
 
@@ -99,10 +99,6 @@ def _embedded_redis(data_dir: Path) -> Redis:
     port = re.search(r"^port (\d+)$", (data_dir / "redis" / "redis.conf").read_text(), re.MULTILINE)
     assert port is not None
     return Redis(port=int(port[1]))
-
-
-def _has_output(redis: Redis, response_id: str) -> bool:
-    return any(fields[b"t"].endswith(b".delta") for _, fields in redis.xrange(events_key(response_id)))
 
 
 def _busiest_worker(redis: Redis, response_ids: list[str]) -> int:
@@ -215,7 +211,7 @@ def test_responses_in_flight_when_up_is_killed_complete_after_a_restart(
     created = [client.responses.create(model="synthetic", input=WORDS, background=True).id for _ in range(10)]
     with _embedded_redis(tmp_path) as redis:
         wait_for(
-            lambda: all(_has_output(redis, rid) for rid in created), timeout=30, what="output from all ten"
+            lambda: all(has_output(redis, rid) for rid in created), timeout=30, what="output from all ten"
         )
 
     process.kill()
