@@ -46,6 +46,7 @@ SCENARIOS = {
     "s100": ("streams", 100, 100, 150, 20),
     "short": ("short", 16, 400, 8, 0),
     "short2k": ("short", 16, 2000, 8, 0),  # for --spy: enough samples of a response's path
+    "s30long": ("streams", 30, 150, 150, 20),  # for --spy: s30 five times over
     "bg": ("bg", 16, 400, 8, 0),
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
