@@ -254,7 +254,7 @@ async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_secon
     Where the stream ends is read once the writer has settled: an append of its own still in flight
     (an abandoned attempt's) may already be in the stream while its outcome is not yet counted, and
     a newest event read then, counted after, would leave a gap before the terminal event (CI saw
-    `... 11, 12, 16` when a cancel raced a response's last batch)."""
+    `... 12, 16` when a cancel raced a response's last batch)."""
     await writer.settle()
     last = await last_event(writer.log.redis, writer.lease.response_id)
     if last is None or not last.is_terminal:
