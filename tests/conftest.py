@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,19 +23,19 @@ pytest_plugins = ["pytester"]
 KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
 NATIVE_MODEL = "scripted-native"
 MCP_TOKEN = "s3cret-token"  # the guarded MCP server's
+DURATIONS = Path(__file__).parent / "durations.json"
 REGISTERED_LABEL = "vault"  # the guarded MCP server, as the main stack's respool.toml registers it
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slowest files first: those that kill processes or run the bench (markers `faults`,
-    `bench`), the most such tests first. With `-n N --dist loadfile` the test processes take files in
-    this order, so a file of minutes does not start last while the other processes have run dry
-    (the suite's last two minutes were one process finishing test_recovery.py)."""
-    slow: dict[Path, int] = {}
-    for item in items:
-        if item.get_closest_marker("faults") or item.get_closest_marker("bench"):
-            slow[item.path] = slow.get(item.path, 0) + 1
-    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: a file's own order is kept
+    """The longest files first, by the seconds each took when last measured (tests/durations.json,
+    written by tools/durations.py; a file it does not name goes after those it names). With
+    `-n N --dist loadfile --no-loadscope-reorder` the test processes take files in this order, so a
+    file of minutes does not start last while the other processes run dry (the suite's last 90 s were
+    one process finishing test_up.py: xdist's own order, most tests first, put it near the end)."""
+    measured: dict[str, float] = json.loads(DURATIONS.read_text())
+    root = DURATIONS.parents[1]
+    items.sort(key=lambda item: -measured.get(item.path.relative_to(root).as_posix(), 0.0))  # stable
 
 
 @pytest.fixture(autouse=True)
