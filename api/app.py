@@ -17,6 +17,7 @@ from api.limits import BodyLimitMiddleware
 from api.metrics import CONTENT_TYPE, ApiMetrics, MetricsMiddleware
 from api.routes import router, websockets
 from api.sse import SERVER_SEND
+from worker.heap import freeze_startup_heap
 from worker.service.responses import ResponseService
 from worker.settings import Settings
 
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         service = ResponseService.open(settings)
         await service.start()
         app.state.service = service
+        freeze_startup_heap()  # started: what is alive now lives as long as the process
         try:
             yield
         finally:

@@ -37,6 +37,7 @@ from rq.worker import BaseWorker
 
 from worker import logs
 from worker.connections import blocking_client, sync_client
+from worker.heap import freeze_startup_heap
 from worker.keys import cancel_key, registries_lock_key
 from worker.outages import is_outage, is_redis_outage, patiently
 from worker.queue import Started, delivery_queue, job_statuses
@@ -220,6 +221,7 @@ class ResponseWorker(BaseWorker):
 
     def _install_signal_handlers(self) -> None:
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        freeze_startup_heap()  # started: what is alive now lives as long as the process
         # From here on SIGTERM drains instead of killing: say so (tests and operators wait for it).
         log.info("worker %s ready: taking responses (SIGTERM drains)", self.name)
 
