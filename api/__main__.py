@@ -1,5 +1,8 @@
 """`python -m api …` is the `respool` command."""
 
-from api.cli import main
+from worker.heap import frozen_imports
+
+with frozen_imports():
+    from api.cli import main
 
 main()

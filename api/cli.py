@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker import logs
+from worker.heap import frozen_imports
 from worker.settings import Settings
 
 EXAMPLE = """\
@@ -99,9 +100,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "deliveries":
         sys.exit(show_deliveries(settings, args.response_id))
     elif args.command == "api":
-        import uvicorn
+        with frozen_imports():
+            import uvicorn
 
-        from api.app import create_app
+            from api.app import create_app
 
         if settings.api_replicas > 1:
             # uvicorn's manager shares the socket among processes that each build the app from the
@@ -123,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
             )
     elif args.command == "worker":
-        from worker.runner.worker import run_worker
+        with frozen_imports():
+            from worker.runner.worker import run_worker
 
         run_worker(settings, settings.concurrency)
 

@@ -1,5 +1,6 @@
-"""The startup heap's freeze (worker/heap.py): garbage left by startup is collected, not frozen for
-good; what is alive is out of later collections' sight; what comes after is collected as before."""
+"""The collector in a respool process (worker/heap.py): imports run without it and what they made is
+frozen; garbage left by the start is collected, not frozen for good; what is alive then is out of
+later collections' sight; what comes after is collected as before."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.heap import freeze_startup_heap
+from worker.heap import freeze_startup_heap, frozen_imports
 
 
 class Node:
@@ -46,3 +47,28 @@ def test_garbage_made_after_the_freeze_is_still_collected(thawed: None) -> None:
     assert later() is not None
     gc.collect()
     assert later() is None
+
+
+def test_imports_run_without_the_collector_and_what_they_made_is_frozen(thawed: None) -> None:
+    assert gc.isenabled()
+    with frozen_imports():
+        assert not gc.isenabled()
+        made = Node()
+    assert gc.isenabled()
+    assert not any(found is made for found in gc.get_objects())
+
+
+def test_the_collector_comes_back_however_the_imports_end(thawed: None) -> None:
+    with pytest.raises(ImportError), frozen_imports():
+        import worker.no_such_module  # type: ignore[import-not-found]  # noqa: F401
+    assert gc.isenabled()
+
+
+def test_a_collector_turned_off_before_stays_off(thawed: None) -> None:
+    gc.disable()
+    try:
+        with frozen_imports():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
