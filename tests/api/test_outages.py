@@ -28,7 +28,7 @@ from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
 from tests.support.queue import QueueView
 from tests.support.stack import Stack, wait_for
-from worker.keys import events_key, queue_key
+from worker.keys import events_key, lease_key, queue_key
 from worker.postgres.store import async_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -340,10 +340,12 @@ def start_foreground(
         future = pool.submit(sdk.responses.create, model="synthetic", input=words(150))
 
         def started() -> str | None:
+            """A worker holds it: its lease is taken (a foreground response not streamed appends
+            nothing until its model turn ends, `ResponseWriter.defer`)."""
             for key in set(redis.scan_iter(match=events_key("*"))) - known:
-                (_, fields), *_ = redis.xrevrange(key, count=1)
-                if fields[b"t"] == b"response.in_progress":
-                    return re.search(rb"resp_\w+", key)[0].decode()  # type: ignore[index]
+                response_id = re.search(rb"resp_\w+", key)[0].decode()  # type: ignore[index]
+                if redis.exists(lease_key(response_id)):
+                    return response_id
             return None
 
         return future, wait_for(started, what="the foreground response to start")

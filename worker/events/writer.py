@@ -23,6 +23,10 @@ log = logging.getLogger("respool.runner")
 # Events after which no output has reached a client yet: a new attempt may still generate.
 BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_progress"})
 
+# A deferring writer (`defer`) appends once this many events wait, whether or not it is asked to:
+# what it holds in memory stays bounded however long the turn.
+DEFERRED_MOST = 512
+
 
 class ResponseWriter:
     """Numbers one attempt's events and appends them under its lease.
@@ -59,6 +63,7 @@ class ResponseWriter:
         self._abandoned = False
         self._gate: asyncio.Future[bool] | None = None  # while held: what says whether it may append
         self._refused: NotStartedError | None = None  # the gate said no: raised once
+        self._deferred = False  # appends only when waited on (`defer`)
 
     def hold(self, gate: asyncio.Future[bool]) -> None:
         """Append nothing until `gate` is done. If it says yes (True), what was sent meanwhile goes
@@ -68,6 +73,16 @@ class ResponseWriter:
         self._gate = gate
         gate.add_done_callback(self._opened)
 
+    def defer(self) -> None:
+        """Append what is sent only when the writer is waited on (`drain`, `settle`, `emit`), or
+        once `DEFERRED_MOST` events wait: for a response no client follows event by event (a
+        foreground one not streamed: its create waits for the terminal event alone), whose model
+        turn then costs one append where it cost one per batch (a short response's `in_progress`
+        went alone, then its output), and its relay one wake-up. A cancel still reaches it (the
+        worker's watch of cancel flags); what waits to be appended when its attempt dies is what an
+        attempt loses between appends anyway, as the turn had not ended."""
+        self._deferred = True
+
     def _opened(self, gate: asyncio.Future[bool]) -> None:
         if self._gate is not gate:
             return
@@ -75,7 +90,7 @@ class ResponseWriter:
         if gate.cancelled() or gate.exception() is not None or not gate.result():
             self._pending.clear()
             self._refused = NotStartedError(self.lease.response_id)
-        elif self._pending and self._inflight is None and self._failure is None:
+        elif self._pending and self._inflight is None and self._failure is None and not self._deferred:
             self._submit()
             return
         self._wake()
@@ -85,7 +100,8 @@ class ResponseWriter:
         self._raise_failure()
         self._abandoned = False
         self._pending += events
-        if self._inflight is None and self._gate is None and self._pending:
+        waits = self._deferred and len(self._pending) < DEFERRED_MOST
+        if self._inflight is None and self._gate is None and self._pending and not waits:
             self._submit()
 
     async def drain(self) -> None:
@@ -118,8 +134,14 @@ class ResponseWriter:
             raise failure
 
     async def _landing(self) -> None:
-        """Until the writer is not held and nothing is in flight (what was sent meanwhile included)."""
-        while self._gate is not None or self._inflight is not None:
+        """Until the writer is not held and nothing is in flight (what was sent meanwhile included,
+        what a deferring writer keeps too)."""
+        while True:
+            idle = self._gate is None and self._inflight is None and self._failure is None
+            if self._deferred and self._pending and idle:
+                self._submit()
+            if self._gate is None and self._inflight is None:
+                return
             if self._idle is None:
                 self._idle = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._idle)

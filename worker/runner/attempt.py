@@ -168,6 +168,8 @@ async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.Store
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
     if stored.background:
         writer.hold(claiming)
+    elif not stored.stream:
+        writer.defer()  # its create waits for the terminal event alone
     try:
         final = await _produce(rt, writer, stored, stored.response, announced=False)
     except NotStartedError:
@@ -193,6 +195,8 @@ async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
     if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
         await _end_as_stored(rt, writer)
         return
+    if not stored.stream and not stored.background:
+        writer.defer()  # its create waits for the terminal event alone
     response = stored.response
     if lease.attempt > 1 and last is not None and last.type != "response.queued":
         rt.metrics.orphans.inc()  # an earlier attempt had started it: this is a takeover

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import AppendResult, Event, EventLog, read_events
-from worker.events.writer import ResponseWriter, end_stream
+from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
 
 LEASE = Lease("resp_1", 1, "worker-a")
 
@@ -130,6 +130,52 @@ async def test_a_held_writer_appends_nothing_until_its_gate_says_yes_then_all_at
     log.answer()
     await draining
     assert (log.landed, writer.next_sequence) == ([2, 3], 4)
+
+
+async def test_a_deferring_writer_appends_what_was_sent_only_when_waited_on() -> None:
+    """Deferring (a foreground response not streamed), a writer keeps what is sent, however many
+    sends; a `drain` appends it all in one append, deltas merged, in order."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=2)  # type: ignore[arg-type]
+    writer.defer()
+    writer.send([{"type": "response.in_progress"}])
+    writer.send([_delta("a")])
+    writer.send([_delta("b"), {"type": "response.output_text.done"}])
+    await asyncio.sleep(0)
+    assert log.batches == []
+    draining = asyncio.create_task(writer.drain())
+    await asyncio.sleep(0)
+    assert log.batches == [["response.in_progress", "ab", "response.output_text.done"]]
+    assert not draining.done()
+    log.answer()
+    await draining
+    assert (log.landed, writer.next_sequence) == ([2, 3, 4], 5)
+
+
+async def test_a_deferring_writer_appends_what_waits_before_what_it_emits() -> None:
+    """An `emit` on a deferring writer lands what was sent first, then its own events after it."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.defer()
+    writer.send([_delta("a")])
+    emitting = asyncio.create_task(writer.emit([{"type": "response.output_text.done"}]))
+    await asyncio.sleep(0)
+    assert log.batches == [["a"]]
+    log.answer()
+    await emitting
+    assert (log.landed, writer.next_sequence) == ([0, 1], 2)
+
+
+async def test_a_deferring_writer_appends_once_enough_waits() -> None:
+    """However long the turn, a deferring writer holds at most DEFERRED_MOST events."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.defer()
+    for index in range(DEFERRED_MOST - 1):
+        writer.send([{"type": "response.output_item.added", "output_index": index}])
+    assert log.batches == []
+    writer.send([{"type": "response.output_item.added", "output_index": DEFERRED_MOST}])
+    assert [len(batch) for batch in log.batches] == [DEFERRED_MOST]
 
 
 @pytest.mark.parametrize("refusal", ["no", "error"])
