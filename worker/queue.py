@@ -268,6 +268,11 @@ class ResponseQueue:
         taken = acquired(response_id, worker, replies[-1])
         return None if taken is None else Started(*taken, replies[-2])
 
+    def leaving(self, response_id: str) -> tuple[str, str]:
+        """The keys a response that ends leaves this queue by, for its final append to do what
+        `finished` does in the same step (`EventLog.append`): the held set, its queued key."""
+        return self.held, queued_key(response_id)
+
     async def finished(self, leases: Leases, lease: Lease) -> None:
         """The response has ended: give its lease back and drop it from what the queue holds, in one
         script sent bare (a MULTI through redis-py's pipeline was a sixth of a short response's

@@ -29,19 +29,24 @@ from worker.protocol.response import TERMINAL_EVENTS
 log = logging.getLogger("respool.events")
 
 # One round trip's appends, of any number of responses (DESIGN.md §7). KEYS: lease, events, cancel,
-# attempt, observed of each response in turn. ARGV: for each, its lease value, how many events, how
-# many seconds its keys are kept from now (0: no change; a final append starts their retention
-# clock, DESIGN.md §2.7, in the same step), then an (entry id, type, data) triple per event. Answers,
-# for each response: -1 when fenced out (the lease is not its writer's), else whether a cancel was
-# requested; or the error its first refused XADD met (an "equal or smaller" id: DESIGN.md §3), after
-# which none of its later events are added (nor its keys' expiry set: the try that added them did).
+# attempt, observed of each response in turn, and for one that ends with this append and leaves its
+# queue in the same step, the queue's held set and its queued key. ARGV: for each, its lease value,
+# how many events, how many seconds its keys are kept from now (0: no change; a final append starts
+# their retention clock, DESIGN.md §2.7, in the same step), its id if it leaves its queue (else ''),
+# then an (entry id, type, data) triple per event. Answers, for each response: -1 when fenced out
+# (the lease is not its writer's), else whether a cancel was requested; or the error its first
+# refused XADD met (an "equal or smaller" id: DESIGN.md §3), after which none of its later events
+# are added (nor its keys' expiry set, nor its queue left: the try that added them did).
 # One script call for all of them, one command to pack where a pipeline packed one per response: a
-# worker's CPU a token fell 9% at 30 streams, 14% at 100 (README, CPU cost).
+# worker's CPU a token fell 9% at 30 streams, 14% at 100 (README, CPU cost). A response leaving its
+# queue here (`ResponseQueue.finished`'s work: out of the held set, its queued key and its lease
+# gone) saves its worker a round trip at its end.
 _FENCED_APPEND = """
 local results = {}
 local at = 1
-for k = 1, #KEYS, 5 do
-  local lease, retain, first = ARGV[at], tonumber(ARGV[at + 2]), at + 3
+local k = 1
+while k <= #KEYS do
+  local lease, retain, leaving, first = ARGV[at], tonumber(ARGV[at + 2]), ARGV[at + 3], at + 4
   at = first + 3 * tonumber(ARGV[at + 1])
   local result
   if redis.call('GET', KEYS[k]) ~= lease then
@@ -56,9 +61,14 @@ for k = 1, #KEYS, 5 do
       if retain > 0 then
         for j = k + 1, k + 4 do redis.call('EXPIRE', KEYS[j], retain) end
       end
+      if leaving ~= '' then
+        redis.call('ZREM', KEYS[k + 5], leaving)
+        redis.call('DEL', KEYS[k + 6], KEYS[k])
+      end
     end
   end
   results[#results + 1] = result
+  k = k + (leaving ~= '' and 7 or 5)
 end
 return results
 """
@@ -228,8 +238,11 @@ async def expire_response(redis: Redis, response_id: str, seconds: int) -> None:
 
 # What an append's round trip ends with: its result, or what it met (an error reply, an outage).
 type Outcome = AppendResult | Exception
-# An append waiting for its round trip: its lease, events, retention (0: none) and whom to tell.
-type _Append = tuple[Lease, list[Event], int, Callable[[Outcome], object]]
+# The keys a response leaves its queue by (`ResponseQueue.leaving`): the queue's held set, its queued key.
+type Leaving = tuple[str, str]
+# An append waiting for its round trip: its lease, events, retention (0: none), the queue it leaves
+# (None: none) and whom to tell.
+type _Append = tuple[Lease, list[Event], int, Leaving | None, Callable[[Outcome], object]]
 
 
 def _settle(future: asyncio.Future[AppendResult], outcome: Outcome) -> None:
@@ -263,12 +276,15 @@ class EventLog:
         self._pending: list[_Append] = []
         self._flushing = False
 
-    async def append(self, lease: Lease, events: list[Event], retain_seconds: int = 0) -> AppendResult:
+    async def append(
+        self, lease: Lease, events: list[Event], retain_seconds: int = 0, leaving: Leaving | None = None
+    ) -> AppendResult:
         """Append `events` (in order) if `lease` still holds; report a fence or a cancel request.
         With `retain_seconds`, the response's keys are kept that long from the append on (its
-        final one: `expire_response` in the same step)."""
+        final one: `expire_response` in the same step); with `leaving`, the response leaves its
+        queue and its lease is given back in the same step too (`ResponseQueue.finished`)."""
         future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
-        self.submit(lease, events, retain_seconds, partial(_settle, future))
+        self.submit(lease, events, retain_seconds, partial(_settle, future), leaving)
         return await future
 
     async def flushed(self, lease: Lease) -> None:
@@ -278,11 +294,16 @@ class EventLog:
         await self.append(lease, [])
 
     def submit(
-        self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Outcome], object]
+        self,
+        lease: Lease,
+        events: list[Event],
+        retain_seconds: int,
+        done: Callable[[Outcome], object],
+        leaving: Leaving | None = None,
     ) -> None:
         """`append`, without waiting: `done` is called with its outcome, from the round trip's task
         (a writer appending a token a time needs no task or future of its own for each)."""
-        self._pending.append((lease, events, retain_seconds, done))
+        self._pending.append((lease, events, retain_seconds, leaving, done))
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
@@ -309,7 +330,7 @@ class EventLog:
                 results = await self._execute(batch)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
-        for (_, events, _, done), result in zip(batch, results, strict=True):
+        for (_, events, _, _, done), result in zip(batch, results, strict=True):
             # Counted here, where the outcome is known, even if whoever awaited it was cancelled meanwhile.
             if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
                 self._on_append(len(events))
@@ -324,10 +345,12 @@ class EventLog:
         failed is its exception in the list."""
         keys: list[str] = []
         args: list[str | bytes | int] = []
-        for lease, events, retain_seconds, _ in batch:
+        for lease, events, retain_seconds, leaving, _ in batch:
             rid = lease.response_id
             keys += (lease_key(rid), events_key(rid), cancel_key(rid), attempt_key(rid), observed_key(rid))
-            args += (lease.value, len(events), retain_seconds)
+            if leaving is not None:
+                keys += leaving
+            args += (lease.value, len(events), retain_seconds, rid if leaving is not None else "")
             for event in events:
                 args += (entry_id(event.sequence_number), event.type, event.data)
         results: list[Any] = await self._connection.command("EVALSHA", self._sha, len(keys), *keys, *args)

@@ -14,7 +14,16 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
 from worker.events.lease import Lease
-from worker.events.stream import AppendResult, Event, EventLog, Outcome, encode, expire_response, last_event
+from worker.events.stream import (
+    AppendResult,
+    Event,
+    EventLog,
+    Leaving,
+    Outcome,
+    encode,
+    expire_response,
+    last_event,
+)
 from worker.outages import is_outage, patiently
 from worker.translation import coalesce
 
@@ -221,32 +230,41 @@ class ResponseWriter:
             self.first_output_at = time.monotonic()
 
     async def emit(
-        self, events: list[dict[str, Any]], *, final: bool = False, retain_seconds: int = 0
+        self,
+        events: list[dict[str, Any]],
+        *,
+        final: bool = False,
+        retain_seconds: int = 0,
+        leaving: Leaving | None = None,
     ) -> None:
         """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the
         final append). With `retain_seconds` (a final append), the response's keys are kept that
-        long from then on (`expire_response`, in the same round trip)."""
+        long from then on (`expire_response`, in the same round trip); with `leaving`, it leaves its
+        queue and its lease is given back in it too (`EventLog.append`)."""
         await self._landing()  # after what `send` has in flight
         self._raise_refusal()
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
-        result = await self._append(encoded, retain_seconds)
+        result = await self._append(encoded, retain_seconds, leaving)
         self._counted(encoded)
         if result is AppendResult.FENCED:
             raise FencedOutError(self.lease.response_id)
         if result is AppendResult.CANCEL_REQUESTED and not final:
             raise CancelRequestedError(self.lease.response_id)
 
-    async def _append(self, encoded: list[Event], retain_seconds: int) -> AppendResult:
+    async def _append(
+        self, encoded: list[Event], retain_seconds: int, leaving: Leaving | None
+    ) -> AppendResult:
         """One append, tried again while Redis is unreachable, for up to `patience` seconds."""
-        return await patiently(
-            partial(self._append_once, encoded, retain_seconds), self.patience, first_delay=0.1, max_delay=1.0
-        )
+        once = partial(self._append_once, encoded, retain_seconds, leaving)
+        return await patiently(once, self.patience, first_delay=0.1, max_delay=1.0)
 
-    async def _append_once(self, encoded: list[Event], retain_seconds: int) -> AppendResult:
+    async def _append_once(
+        self, encoded: list[Event], retain_seconds: int, leaving: Leaving | None
+    ) -> AppendResult:
         try:
-            return await self.log.append(self.lease, encoded, retain_seconds)
+            return await self.log.append(self.lease, encoded, retain_seconds, leaving)
         except RedisResponseError as exc:
-            if _landed_before(exc):
+            if _landed_before(exc):  # the try that added them did the rest of its step too
                 return AppendResult.OK
             raise
 

@@ -101,8 +101,11 @@ async def _let_go(rt: Runtime, lease: Lease, end: RunEnd | None) -> None:
     """Give the lease back, and tell the queue: an ended response leaves it, a stopped one goes
     back to its front. Otherwise (fenced out; broken before the response could be failed) it stays
     held: its next holder's, or past its deadline the sweep's to put back or give up (DESIGN.md §4)."""
+    left = lease.response_id in rt.left_queue
+    rt.left_queue.discard(lease.response_id)
     if end is RunEnd.FINISHED:
-        await rt.queue.finished(rt.leases, lease)
+        if not left:  # else its final append did this
+            await rt.queue.finished(rt.leases, lease)
     elif end is RunEnd.STOPPED:
         await rt.queue.put_back(rt.leases, lease)
         log.info("response %s: requeued for another worker", lease.response_id)
@@ -466,8 +469,15 @@ async def _finish(
     if not won:
         await _end_as_stored(rt, writer)
         return
-    # Its keys' retention clock starts with the terminal event, in the same round trip.
-    await writer.emit([terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds)
+    # Its keys' retention clock starts with the terminal event, in the same round trip, and it leaves
+    # the queue and gives its lease back in it too (a round trip less at its end).
+    rid = writer.lease.response_id
+    leaving = rt.queue.leaving(rid)
+    await writer.emit(
+        [terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds, leaving=leaving
+    )
+    rt.held.pop(rid, None)  # its lease is gone: the heartbeat has nothing to renew, nor to find lost
+    rt.left_queue.add(rid)
     _observe(rt.metrics, writer, str(final["status"]))
 
 

@@ -73,6 +73,7 @@ class Runtime:
     generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
     cancelling: set[str] = field(default_factory=set)
     interrupted: dict[str, RunEnd] = field(default_factory=dict)  # fenced or stopped, by response
+    left_queue: set[str] = field(default_factory=set)  # ended by a final append that left the queue too
     _sealer: Sealer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -309,3 +309,39 @@ async def test_flushed_returns_once_every_append_submitted_before_it_was_told(re
     await log.flushed(first)
     assert told == ["first", "second", "held back"]
     assert [event.sequence_number for event in await read_events(redis, first.response_id)] == [0, 1]
+
+
+async def test_a_final_append_can_leave_the_queue_in_the_same_step(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append `leaving` its queue takes its response out of the held set and drops its queued key
+    and its lease, in the same script call as other responses' appends (before and after it); a
+    fenced one leaves all of that as it was."""
+    leases = Leases(redis, 30)
+    ids = [f"resp_{uuid.uuid4().hex}" for _ in range(4)]
+    held = [await leases.acquire(response_id, "a") for response_id in ids]
+    before, ending, after, fenced = (lease for lease in held if lease is not None)
+    queue = f"held-{uuid.uuid4().hex}"
+    for response_id in ids:
+        await redis.zadd(queue, {response_id: 1})
+        await redis.set(f"queued-{response_id}", "q")
+    await redis.delete(lease_key(fenced.response_id))
+    log = EventLog(redis)
+    assert await log.append(before, [encode(_events(0, 1)[0], 0)]) is AppendResult.OK  # the script loaded
+    round_trips = _round_trips(log, monkeypatch)
+    final = {"type": "response.completed", "response": {"status": "completed"}}
+    appends = [
+        log.append(before, [encode(_events(1, 1)[0], 1)]),
+        log.append(ending, [encode(dict(final), 0)], 60, (queue, f"queued-{ending.response_id}")),
+        log.append(after, [encode(event, index) for index, event in enumerate(_events(0, 2))]),
+        log.append(fenced, [encode(dict(final), 0)], 60, (queue, f"queued-{fenced.response_id}")),
+    ]
+    results = await asyncio.gather(*appends)
+    assert round_trips == [4]
+    assert results == [AppendResult.OK, AppendResult.OK, AppendResult.OK, AppendResult.FENCED]
+    assert [len(await read_events(redis, response_id)) for response_id in ids] == [2, 1, 2, 0]
+    still_held = {member.decode() for member in await redis.zrange(queue, 0, -1)}
+    assert still_held == {before.response_id, after.response_id, fenced.response_id}
+    assert not await redis.exists(f"queued-{ending.response_id}", lease_key(ending.response_id))
+    assert await redis.exists(f"queued-{fenced.response_id}", lease_key(before.response_id)) == 2
+    assert await redis.ttl(events_key(ending.response_id)) > 0

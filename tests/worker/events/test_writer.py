@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
 from worker.events.lease import Lease, Leases
-from worker.events.stream import AppendResult, Event, EventLog, read_events
+from worker.events.stream import AppendResult, Event, EventLog, Leaving, read_events
 from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
 
 LEASE = Lease("resp_1", 1, "worker-a")
@@ -31,7 +31,9 @@ class ScriptedLog:
         self.batches: list[list[str]] = []  # what each submitted append carried: event types or deltas
         self.waiting: list[tuple[list[Event], Callable[[Any], object]]] = []
 
-    async def append(self, lease: Lease, events: list[Event], retain_seconds: int = 0) -> AppendResult:
+    async def append(
+        self, lease: Lease, events: list[Event], retain_seconds: int = 0, leaving: Leaving | None = None
+    ) -> AppendResult:
         answer = self._answer(events)
         if isinstance(answer, Exception):
             raise answer
@@ -292,12 +294,17 @@ class LateLog(EventLog):
         self.landed = asyncio.Event()
 
     def submit(
-        self, lease: Lease, events: list[Event], retain_seconds: int, done: Callable[[Any], object]
+        self,
+        lease: Lease,
+        events: list[Event],
+        retain_seconds: int,
+        done: Callable[[Any], object],
+        leaving: Leaving | None = None,
     ) -> None:
         if self.landed.is_set():
-            super().submit(lease, events, retain_seconds, done)
+            super().submit(lease, events, retain_seconds, done, leaving)
         else:
-            super().submit(lease, events, retain_seconds, partial(self._hold, done))
+            super().submit(lease, events, retain_seconds, partial(self._hold, done), leaving)
 
     def _hold(self, done: Callable[[Any], object], outcome: Any) -> None:
         self.told.append((done, outcome))
