@@ -158,13 +158,18 @@ _CLAIM_ATTEMPT = f"""
 WITH claimed AS ({_START_ATTEMPT.replace(f"RETURNING {_RETURNED}", "RETURNING 1")})
 SELECT EXISTS (SELECT 1 FROM claimed), EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)
 """
-_FENCED = f"id = %(rid)s AND attempt = %(held_attempt)s AND status = '{Status.IN_PROGRESS}'"
+# An attempt's end is fenced (DESIGN.md §2.3) on no later attempt having claimed the row, which is
+# still live: `attempt <= n`, not `= n`, as a foreground response's first attempt does not claim its
+# row before it ends (attempt._run_ahead): its end claims it, in the same statement.
+_FENCED = f"id = %(rid)s AND attempt <= %(held_attempt)s AND status IN ({LIVE_STATUSES})"
 _MARK_FINISHED = f"""
 UPDATE response
-SET status = %(new_status)s, response = %(new_response)s, error = %(new_error)s, completed_at = now()
+SET status = %(new_status)s, response = %(new_response)s, error = %(new_error)s, completed_at = now(),
+    attempt = %(held_attempt)s
 WHERE {_FENCED}
 """
 _DELETE_FINISHED = f"DELETE FROM response WHERE {_FENCED}"
+_EXISTS = "SELECT EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)"
 
 
 async def driver(conn: Connection) -> direct.Connection:
@@ -190,10 +195,13 @@ def new_row(
     conversation_id: str | None = None,
 ) -> dict[str, Any]:
     """The columns of a new response row (`_NEW_ROW`), for `insert_response`."""
+    # A foreground response runs as soon as a worker takes it, and says so from its first event
+    # (`response.created`): its row, which its worker claims only as it ends, says so too.
+    status = Status.QUEUED if request.is_background else Status.IN_PROGRESS
     return {
         "id": response["id"],
         "owner": owner,
-        "status": Status.QUEUED,
+        "status": status,
         "model": request.model,
         "background": request.is_background,
         "store": request.is_stored,
@@ -201,7 +209,7 @@ def new_row(
         "previous_response_id": request.previous_response_id,
         "request": request.model_dump(exclude_unset=True),
         "conversation": conversation,
-        "response": response,
+        "response": {**response, "status": status.value},
         "chain_depth": chain_depth,
         "conversation_id": conversation_id,
     }
@@ -291,6 +299,13 @@ async def mark_finished(conn: Connection, response_id: str, attempt: int, respon
     }
     cursor = await (await driver(conn)).execute(_MARK_FINISHED, parameters)
     return cursor.rowcount == 1
+
+
+async def response_exists(conn: Connection, response_id: str) -> bool:
+    """Whether the response has a row (one its create is inserting has none yet)."""
+    cursor = await (await driver(conn)).execute(_EXISTS, {"rid": response_id})
+    row = await cursor.fetchone()
+    return bool(row and row[0])
 
 
 async def delete_finished(conn: Connection, response_id: str, attempt: int) -> bool:

@@ -155,21 +155,26 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
 
 async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
     """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
-    call starts while Postgres moves the row to `in_progress` under this attempt (DESIGN.md §2,
-    step 2), and the attempt records its end only once it has. Should Postgres refuse, what the
-    upstream sent is dropped and the stream ended as stored.
+    call starts without waiting for Postgres (DESIGN.md §2, step 2).
 
-    A background response may be cancelled while it waits in the queue: nothing of it is appended
-    before the claim (the writer is held), so a cancelled one tells no output. A foreground one
-    cannot be (only its client leaving, or its create failing, ends it early: both raise the cancel
-    flag its first append reads), so its events go as they come, the claim not in their way.
+    A background response may be cancelled while it waits in the queue: its row is moved to
+    `in_progress` under this attempt while the upstream call starts, nothing of it is appended
+    before (the writer is held), so a cancelled one tells no output, and the attempt records its
+    end only once the row has moved. Should Postgres refuse, what the upstream sent is dropped and
+    the stream ended as stored. The claim's statement goes once this has sent the upstream request
+    (its first wait): the request is on the first token's path, and the row its create is recording
+    meanwhile has that much longer to land.
 
-    The claim's statement goes once this has sent the upstream request (its first wait): the
-    request is on the first token's path, and the row its create is recording meanwhile has that
-    much longer to land."""
-    claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
+    A foreground one cannot be cancelled (only its client leaving, or its create failing, ends it
+    early: both raise the cancel flag the worker watches), and its row is `in_progress` from its
+    insert: its events go as they come, and its end claims the row in the same statement that
+    records it (`_finish`, fenced on no later attempt having claimed it), waiting for a row its
+    create is still inserting: one statement a response less (issue 20)."""
+    row_wait_until = time.monotonic() + ROW_WAIT_SECONDS
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
+    claiming: asyncio.Future[bool] | None = None
     if stored.background:
+        claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
         writer.hold(claiming)
     elif not stored.stream:
         writer.defer()  # its create waits for the terminal event alone
@@ -178,16 +183,18 @@ async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.Store
     except NotStartedError:
         final = None
     except BaseException:
-        claiming.cancel()
+        if claiming is not None:
+            claiming.cancel()
         raise
     if final is None:  # cancelled (its row ended, or never came), or refused: told as stored
-        claiming.cancel()
+        if claiming is not None:
+            claiming.cancel()
         await _end_as_stored(rt, writer)
         return
-    if not await claiming:
+    if claiming is not None and not await claiming:
         await _end_as_stored(rt, writer)
         return
-    await _finish(rt, writer, stored, final)
+    await _finish(rt, writer, stored, final, row_wait_until=None if claiming is not None else row_wait_until)
 
 
 async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
@@ -462,10 +469,19 @@ async def _fail_mid_stream(writer: ResponseWriter, out: output.Output, exc: Upst
 
 
 async def _finish(
-    rt: Runtime, writer: ResponseWriter, stored: store.StoredResponse, final: dict[str, Any]
+    rt: Runtime,
+    writer: ResponseWriter,
+    stored: store.StoredResponse,
+    final: dict[str, Any],
+    row_wait_until: float | None = None,
 ) -> None:
-    """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored."""
-    won = await _patiently(rt, partial(_record_final, rt, stored, writer.lease.attempt, final))
+    """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored.
+    With `row_wait_until` (an attempt that has not claimed its row: its create may still be inserting
+    it), a row not there yet is waited for until then."""
+    record = partial(_record_final, rt, stored, writer.lease.attempt, final)
+    if row_wait_until is not None:
+        record = partial(_when_the_row_is_there, rt, stored.id, record, row_wait_until)
+    won = await _patiently(rt, record)
     if not won:
         await _end_as_stored(rt, writer)
         return
@@ -536,6 +552,29 @@ async def _claim(rt: Runtime, lease: Lease) -> bool:
             return claim is store.Claim.CLAIMED
         if time.monotonic() >= deadline:
             log.warning("response %s: no row came for its ticket; not running it", lease.response_id)
+            return False
+        await asyncio.sleep(pause)
+        pause = min(max(pause * 2, 0.001), 0.1)
+
+
+async def _when_the_row_is_there(
+    rt: Runtime, response_id: str, record: Callable[[], Awaitable[bool]], until: float
+) -> bool:
+    """`record` (an end that claims the row), asked again while the row is not there yet, up to
+    `until`, as `_claim` waits for it; one that never comes was taken back (its create failed)."""
+    pause = 0.0  # asked again at once, then after 1, 2, 4 ... 100 ms
+    there = False
+    while True:
+        if await record():
+            return True
+        if there:  # the row was there before this try: another outcome won
+            return False
+        async with rt.direct.connection() as conn:
+            there = await store.response_exists(conn, response_id)
+        if there:  # it landed since the try: try again
+            continue
+        if time.monotonic() >= until:
+            log.warning("response %s: no row came for its ticket; not recording it", response_id)
             return False
         await asyncio.sleep(pause)
         pause = min(max(pause * 2, 0.001), 0.1)

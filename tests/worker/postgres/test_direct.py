@@ -144,14 +144,15 @@ async def test_a_response_is_inserted_started_and_finished_through_either_connec
             await store.insert_response(conn, row, row["conversation"])
 
         async def run_statements(conn: store.Connection) -> None:
-            started = await store.start_attempt(conn, response_id, 1)
+            started = await store.start_attempt(conn, response_id, 2)
             assert started is not None
             assert started.status == "in_progress" and started.response["status"] == "in_progress"
             assert started.request == row["request"] and started.conversation == row["conversation"]
-            assert await store.start_attempt(conn, response_id, 1) is None  # the attempt is taken
+            assert await store.start_attempt(conn, response_id, 2) is None  # the attempt is taken
             final = {"id": response_id, "status": "failed", "error": {"code": "server_error", "message": "x"}}
-            assert not await store.mark_finished(conn, response_id, 2, final)  # fenced: another attempt's
-            assert await store.mark_finished(conn, response_id, 1, final)
+            assert not await store.mark_finished(conn, response_id, 1, final)  # fenced: a later attempt's
+            assert await store.mark_finished(conn, response_id, 2, final)
+            assert not await store.mark_finished(conn, response_id, 3, final)  # ended: one outcome
 
         if through == "direct":
             async with pool.connection() as conn:
@@ -190,3 +191,20 @@ async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_
         assert await store.claim_attempt(conn, "resp_ticket_absent", 1) is store.Claim.ABSENT
         claimed = await store.get_response(conn, "resp_ticket_claimed")
         assert claimed == store.from_ticket("resp_ticket_claimed", tickets["resp_ticket_claimed"], 2)
+
+
+async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_did(pool: DirectPool) -> None:
+    """A foreground response's first attempt records its end without having claimed its row (the
+    end claims it); an attempt's end after a later attempt claimed the row is refused."""
+    final = {"status": "completed"}
+    unclaimed, taken_over = "resp_direct_unclaimed", "resp_direct_taken_over"
+    async with pool.connection() as conn:
+        for response_id in (unclaimed, taken_over):
+            row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "in_progress"}}
+            await store.insert_response(conn, {**row, "status": "in_progress"}, row["conversation"])
+        assert await store.mark_finished(conn, unclaimed, 1, {**final, "id": unclaimed})
+        assert await store.start_attempt(conn, unclaimed, 2) is None  # ended: nothing to take over
+        assert await store.start_attempt(conn, taken_over, 2) is not None
+        assert not await store.mark_finished(conn, taken_over, 1, {**final, "id": taken_over})
+        stored = await store.get_response(conn, unclaimed, "direct")
+        assert stored is not None and (stored.status, stored.attempt) == ("completed", 1)
