@@ -600,6 +600,11 @@ async def _record_final(
             return await store.delete_finished(conn, stored.id, attempt)
     delivery_ids: list[str] = []
     async with rt.engine.begin() as conn:
+        # Its own input items, read once its row is there: a foreground response's end may come
+        # before its create's insert (its row and items, in one statement) has landed, and each
+        # statement here reads what had landed when it began (`_when_the_row_is_there` asks again).
+        if stored.conversation_id is not None and not await store.response_exists(conn, stored.id):
+            return False
         own = await store.own_input_items(conn, stored.id) if stored.conversation_id else []
         if stored.store:
             ended = await store.mark_finished(conn, stored.id, attempt, final)
