@@ -13,7 +13,7 @@ import pytest
 from redis import Redis
 
 from tests.support.queue import QueueView
-from tests.support.stack import Servers, Stack, servers
+from tests.support.stack import LOG_DIRS, Servers, Stack, servers
 from tests.support.tool_servers import McpServerProcess, SearchServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import FAILURES, ValidatingTransport
@@ -36,6 +36,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     measured: dict[str, float] = json.loads(DURATIONS.read_text())
     root = DURATIONS.parents[1]
     items.sort(key=lambda item: -measured.get(item.path.relative_to(root).as_posix(), 0.0))  # stable
+
+
+LOG_LINES = 60  # of each log, at most, in a failing test's report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Where every respool log stood as the test began (see pytest_runtest_makereport)."""
+    item.stash[_LOG_SIZES] = _log_sizes()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[pytest.TestReport]:
+    """A failing test's report carries what respool's processes logged while it ran (the last
+    `LOG_LINES` of each log that grew): an API's 500 or a worker's traceback is in their logs, which
+    a CI run's temporary folders do not outlive."""
+    report: pytest.TestReport = yield
+    if report.failed:
+        before = item.stash.get(_LOG_SIZES, {})
+        for path, size in _log_sizes().items():
+            start = before.get(path, 0)
+            if size > start:
+                with path.open("rb") as log:
+                    log.seek(start)
+                    lines = log.read().decode(errors="replace").splitlines()[-LOG_LINES:]
+                report.sections.append((f"respool log {path.parent.name}/{path.name}", "\n".join(lines)))
+    return report
+
+
+_LOG_SIZES = pytest.StashKey[dict[Path, int]]()
+
+
+def _log_sizes() -> dict[Path, int]:
+    return {path: path.stat().st_size for folder in LOG_DIRS for path in folder.glob("*.log")}
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,9 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 ROOT = Path(__file__).resolve().parents[2]
+# Every stack's log folder, so that a failing test's report shows what its processes logged meanwhile
+# (tests/conftest.py: pytest_runtest_makereport).
+LOG_DIRS: list[Path] = []
 
 
 def free_port() -> int:
@@ -134,6 +137,9 @@ class Stack:
     logs: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     url: str = ""
+
+    def __post_init__(self) -> None:
+        LOG_DIRS.append(self.logs)
 
     def run(self, *args: str) -> None:
         """Run a one-shot `respool` command (e.g. `migrate`) to completion."""
