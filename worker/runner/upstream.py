@@ -4,9 +4,11 @@ Owns the upstream call: the pooled client and its timeouts, the retry policy, an
 httpx's exceptions and of HTTP error answers into `UpstreamError` (the httpx habit of mapping
 foreign exceptions once, at the boundary). The client is `httpx2`, the one the openai SDK itself
 uses: httpx 0.28's pool searched its connections at a cost that grew with their number (measured:
-150 short requests/s over 64 keep-alive connections on loopback, against 1,100 with httpx2). Its
-transport is aiohttp's (`httpx-aiohttp`, as the SDK's own `DefaultAioHttpClient`): the connections,
-TLS, proxies and the HTTP parsing (llhttp, compiled) are aiohttp's, the rest httpx2's. httpx2's own
+150 short requests/s over 64 keep-alive connections on loopback, against 1,100 with httpx2). A
+plain-HTTP URL (a model server beside the worker) goes on worker/runner/http1.py's transport, an
+asyncio protocol over llhttp (httptools) with a keep-alive pool: a short call's CPU 440 → 150 µs
+against aiohttp's. Any other (TLS, a proxy's) goes on aiohttp's (`httpx-aiohttp`, as the SDK's own
+`DefaultAioHttpClient`): its connections, TLS, proxies and parsing (llhttp too). httpx2's own
 transport parses HTTP in Python, h11: reading 30 streams of tokens 20 ms apart cost 59 µs of CPU a
 token through it, 22 through aiohttp's (issue 20).
 Its errors (`UpstreamError`, `TransientUpstreamError`) are drawn in worker/errors.py.
@@ -56,6 +58,7 @@ from httpx_aiohttp.httpx2.transport import AiohttpResponseStream, map_aiohttp_ex
 
 from worker.errors import TransientUpstreamError, UpstreamError
 from worker.routing import Route
+from worker.runner import http1
 from worker.settings import Settings
 
 log = logging.getLogger("respool.upstream")
@@ -159,8 +162,10 @@ def create_client(
     *,
     connect_seconds: float = CONNECT_SECONDS,
     transport: httpx2.AsyncBaseTransport | None = None,
+    plain_http: bool = True,
 ) -> httpx2.AsyncClient:
-    """One pooled client per worker process, on aiohttp's transport (the module docstring).
+    """One pooled client per worker process: plain-HTTP URLs on worker/runner/http1.py's transport,
+    the rest on aiohttp's (the module docstring); without `plain_http`, every URL on aiohttp's.
 
     `stall_seconds` is httpx's read timeout: the longest silence allowed between bytes, so a stalled
     upstream frees its slot instead of holding it forever. `transport` is the seam tests fake.
@@ -169,7 +174,19 @@ def create_client(
     timeout = httpx2.Timeout(stall_seconds, connect=connect_seconds)
     if transport is not None:
         return httpx2.AsyncClient(timeout=timeout, limits=limits, transport=transport)
-    return Httpx2AiohttpClient(timeout=timeout, limits=limits)
+    if not plain_http:
+        return Httpx2AiohttpClient(timeout=timeout, limits=limits)
+    return _UpstreamClient(timeout=timeout, limits=limits)
+
+
+class _UpstreamClient(Httpx2AiohttpClient):
+    """aiohttp's transports, with plain-HTTP URLs that no proxy takes on this module's own
+    (worker/runner/http1.py): the calls to a model server beside the worker."""
+
+    def _init_transport(self, *args: Any, **kwargs: Any) -> httpx2.AsyncBaseTransport:
+        limits: httpx2.Limits = kwargs.get("limits") or httpx2.Limits()
+        fallback = super()._init_transport(*args, **kwargs)
+        return http1.Http1Transport(fallback, limits.max_connections or 100)
 
 
 async def stream_json(
@@ -358,12 +375,16 @@ class _Silence:
         """What reads the body's next chunk (None at its end), within the bound: straight from
         aiohttp's reader where aiohttp's transport brought the body as sent, else through httpx's
         body (a compressed one, another transport's)."""
+        stream = reply.stream
+        if isinstance(stream, http1.Body) and stream.is_identity:
+            self._arm()
+            return partial(self._read_from, stream.read)
         content = _aiohttp_content(reply)
         if content is None:
             chunks = self.chunks(_body(reply))
             return partial(anext, chunks, None)
         self._arm()
-        return partial(self._read_from, content)
+        return partial(self._read_from, content.readany)
 
     def _arm(self) -> None:
         """The bound starts now: its one timer."""
@@ -371,13 +392,14 @@ class _Silence:
             self._last = self._loop.time()
             self._timer = self._loop.call_at(self._last + self.seconds, self._check)
 
-    async def _read_from(self, content: aiohttp.StreamReader) -> bytes | None:
-        """The next chunk of an aiohttp body (None at its end): one call a chunk, where httpx's byte
-        stream, aiohttp's chunk iterator and a generator of chunks were three layers a token (issue
-        20). Its faults come as httpx's, as through the transport (`_map_httpx_error` reads both)."""
+    async def _read_from(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes | None:
+        """The next chunk of a body read straight from its transport (`http1.Body.read`, aiohttp's
+        `readany`), None at its end: one call a chunk, where httpx's byte stream, aiohttp's chunk
+        iterator and a generator of chunks were three layers a token (issue 20). Its faults come as
+        httpx's, as through the transport (`_map_httpx_error` reads both)."""
         self._task, self._waiting = asyncio.current_task(), True
         try:
-            chunk = await content.readany()
+            chunk = await read()
         except asyncio.CancelledError:
             if self.is_stalled and self._task is not None and self._task.uncancel() == 0:
                 self.stop()
@@ -489,6 +511,8 @@ def _map_httpx_error(
 ) -> UpstreamError:
     """The one mapping of httpx's exceptions: transport faults are transient, the rest final."""
     where = f"the upstream at {request.url}"
+    if isinstance(exc, http1.BodyCutError):
+        return TransientUpstreamError(f"{where} cut its answer short (its connection closed mid-body)")
     cause = exc.__cause__
     if isinstance(cause, aiohttp.ClientError) and not isinstance(cause, aiohttp.ServerTimeoutError):
         # httpx-aiohttp maps every aiohttp connection fault to httpx's ConnectTimeout (an upstream

@@ -19,7 +19,7 @@ import pytest
 
 from worker.errors import UpstreamError
 from worker.routing import Route, UpstreamApi
-from worker.runner import upstream
+from worker.runner import http1, upstream
 from worker.runner.upstream import (
     CHAT_STREAM,
     RESPONSES_STREAM,
@@ -41,6 +41,7 @@ type Answer = httpx2.Response | Exception
 TRANSIENT = (
     httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.ReadError, httpx2.ReadTimeout, httpx2.WriteError,
     httpx2.WriteTimeout, httpx2.PoolTimeout, httpx2.CloseError, httpx2.RemoteProtocolError,
+    http1.BodyCutError,
 )  # fmt: skip
 FINAL = (
     httpx2.LocalProtocolError, httpx2.UnsupportedProtocol, httpx2.ProxyError, httpx2.DecodingError,

@@ -1,12 +1,15 @@
-"""The upstream call over aiohttp's transport itself (the worker's own client), against the real
-scripted upstream over loopback: a body is read straight from aiohttp's reader, bounded in its
-silences, cut short or cancelled as through the transport (issue 20; the unit tests in
-test_upstream.py read bodies through httpx's mock transport, the other path)."""
+"""The upstream call over the worker's own client, on each of its two transports (plain HTTP's own,
+worker/runner/http1.py, and aiohttp's, which takes TLS and proxies), against the real scripted
+upstream over loopback: a body is read straight from the transport, bounded in its silences, cut
+short or cancelled alike on both (issue 20; the unit tests in test_upstream.py read bodies through
+httpx's mock transport, the other path)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from tests.support.upstream_process import ScriptedUpstream
 from worker.errors import TransientUpstreamError, UpstreamError
 from worker.routing import Route, UpstreamApi
+from worker.runner import http1
 from worker.runner import upstream as upstream_module
 from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_json
 
@@ -29,11 +33,22 @@ def _scripted(upstream: ScriptedUpstream, script: dict[str, Any]) -> tuple[Route
     return Route(model, UpstreamApi.CHAT, upstream.url), body
 
 
+# Each test on plain HTTP's own transport, then on aiohttp's (`_read`'s client takes it).
+_ON_HTTP1: contextvars.ContextVar[bool] = contextvars.ContextVar("on_http1", default=True)
+
+
+@pytest.fixture(params=["http1", "aiohttp"], autouse=True)
+def transport(request: pytest.FixtureRequest) -> Iterator[str]:
+    token = _ON_HTTP1.set(request.param == "http1")
+    yield str(request.param)
+    _ON_HTTP1.reset(token)
+
+
 async def _read(
     route: Route, body: dict[str, Any], got: list[dict[str, Any]], stall_seconds: float = 300.0
 ) -> None:
-    """Every payload of the call into `got`, on the worker's own client (aiohttp's transport)."""
-    client = create_client(stall_seconds, 4)
+    """Every payload of the call into `got`, on the worker's own client (the `transport` fixture's)."""
+    client = create_client(stall_seconds, 4, plain_http=_ON_HTTP1.get())
     try:
         async for chunk in stream_json(client, route, "/chat/completions", body, NO_RETRIES, CHAT_STREAM):
             got.append(chunk)
@@ -50,11 +65,11 @@ async def _words(route: Route, body: dict[str, Any], stall_seconds: float = 300.
     return [word for word in words if word]
 
 
-async def test_a_body_is_read_from_aiohttps_reader_whole(
-    upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch
+async def test_a_body_is_read_from_the_transports_reader_whole(
+    upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
-    """Every word arrives, in order, and the body was read from aiohttp's own reader (not through
-    httpx's byte stream, the other path)."""
+    """Every word arrives, in order, and the body was read from the transport's own reader
+    (`http1.Body.read`, aiohttp's `StreamReader`), not through httpx's byte stream, the other path."""
     taken: list[object] = []
     content_of = upstream_module._aiohttp_content
 
@@ -64,9 +79,20 @@ async def test_a_body_is_read_from_aiohttps_reader_whole(
         return content
 
     monkeypatch.setattr(upstream_module, "_aiohttp_content", spied)
+    reads: list[int] = []
+    read = http1.Body.read
+
+    async def counted(self: http1.Body) -> bytes | None:
+        reads.append(1)
+        return await read(self)
+
+    monkeypatch.setattr(http1.Body, "read", counted)
     route, body = _scripted(upstream, {"text": "one two three four five", "delay": 0.01})
     assert await _words(route, body) == ["one ", "two ", "three ", "four ", "five"]
-    assert len(taken) == 1 and taken[0] is not None
+    if transport == "http1":
+        assert taken == [] and len(reads) >= 5
+    else:
+        assert len(taken) == 1 and taken[0] is not None and reads == []
 
 
 async def test_a_silence_past_the_bound_is_a_stall_and_a_steady_body_is_not(

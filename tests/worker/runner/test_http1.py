@@ -1,0 +1,196 @@
+"""Plain HTTP's own transport (worker/runner/http1.py) against a real HTTP/1.1 peer on loopback: an
+asyncio server of this file, as strict about what it is sent as a model server (a request line, a
+`host`, a JSON body that says so and its length), whose ways of answering each test sets: kept-alive
+connections, connections closed while idle or under the next request, encoded bodies, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+
+from worker.errors import TransientUpstreamError
+from worker.routing import Route, UpstreamApi
+from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_json
+
+NO_RETRIES = RetryPolicy(retries=0)
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def _sse(*words: str) -> bytes:
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]} for word in words
+    ]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    return b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+
+
+@dataclass
+class Peer:
+    """A model server's HTTP/1.1, answering each request by `answer` (request number, from 1)."""
+
+    answer: str = "chunked"  # chunked | gzip | refuse | drop_second | close_after
+    connections: int = 0
+    open_now: int = 0
+    most_open: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request = _parsed(head, await reader.readexactly(_length(head)))
+                self.requests.append(request)
+                if self.answer == "drop_second" and len(self.requests) == 2:
+                    return  # closes without answering, as a server closing an idle connection
+                await asyncio.sleep(0.05)  # long enough for a second call to overlap this one
+                writer.write(_answer(self.answer))
+                await writer.drain()
+                if self.answer == "close_after":
+                    await asyncio.sleep(0.05)  # idle a moment, then closed (a keep-alive timeout)
+                    return
+        except asyncio.IncompleteReadError:
+            return
+        finally:
+            self.open_now -= 1
+            writer.close()
+
+
+def _length(head: bytes) -> int:
+    lengths = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    assert len(lengths) == 1, f"a request without one content-length: {head!r}"
+    return int(lengths[0].split(b":", 1)[1])
+
+
+def _parsed(head: bytes, body: bytes) -> dict[str, Any]:
+    line, *lines = head.rstrip(b"\r\n").split(b"\r\n")
+    method, target, version = line.split(b" ")
+    assert (method, version) == (b"POST", b"HTTP/1.1"), line
+    headers = {name.strip().lower(): value.strip() for name, value in (h.split(b":", 1) for h in lines)}
+    assert b"host" in headers and headers[b"content-type"] == b"application/json", headers
+    return {"target": target, "headers": headers, "body": orjson.loads(body)}
+
+
+def _answer(how: str) -> bytes:
+    body = _sse("one ", "two")
+    if how == "refuse":
+        error = orjson.dumps({"error": {"message": "overloaded"}})
+        return b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\nretry-after: 7\r\n\r\n%s" % (len(error), error)  # fmt: skip
+    if how == "gzip":
+        packed = gzip.compress(body)
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s" % (len(packed), packed)  # fmt: skip
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunks = [body[:40], body[40:]]  # one frame split across two chunks
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks) + b"0\r\n\r\n"
+
+
+@pytest.fixture
+async def peer() -> AsyncIterator[Peer]:
+    peer = Peer()
+    server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
+    peer.port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield peer
+        server.close()
+
+
+async def _words(client: Any, peer: Peer) -> list[str]:
+    route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
+    words = []
+    async for chunk in stream_json(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM):
+        words += [choice["delta"].get("content") for choice in chunk["choices"]]
+    return [word for word in words if word]
+
+
+async def test_calls_one_after_another_share_one_kept_alive_connection(peer: Peer) -> None:
+    """Three calls, one connection; each request is a JSON POST to the route's path, as sent."""
+    client = create_client(60, 4)
+    try:
+        for _ in range(3):
+            assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+    assert peer.connections == 1
+    assert [request["target"] for request in peer.requests] == [b"/v1/chat/completions"] * 3
+    assert all(request["body"] == BODY for request in peer.requests)
+    assert all(request["headers"][b"accept"] == b"text/event-stream" for request in peer.requests)
+
+
+async def test_a_connection_closed_while_idle_is_not_used_again(peer: Peer) -> None:
+    """The server closes each connection a moment after its answer: the next call finds it closed
+    and opens another, without a fault."""
+    peer.answer = "close_after"
+    client = create_client(60, 4)
+    try:
+        assert await _words(client, peer) == ["one ", "two"]
+        await asyncio.sleep(0.2)
+        assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+    assert peer.connections == 2
+
+
+async def test_a_request_that_meets_an_idle_connections_close_goes_again_on_a_new_one(peer: Peer) -> None:
+    """The server closes a kept-alive connection under the next request, before any answer (its
+    close and the request crossed): the request goes once more, on a new connection, and is answered."""
+    peer.answer = "drop_second"
+    client = create_client(60, 4)
+    try:
+        assert await _words(client, peer) == ["one ", "two"]
+        assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+    assert peer.connections == 2 and len(peer.requests) == 3
+
+
+async def test_a_gzip_body_is_read_decoded(peer: Peer) -> None:
+    peer.answer = "gzip"
+    client = create_client(60, 4)
+    try:
+        assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+
+
+async def test_calls_past_the_connection_bound_wait_for_a_free_one(peer: Peer) -> None:
+    """Three calls at once on a client of one connection: one at a time, all answered."""
+    client = create_client(60, 1)
+    try:
+        results = await asyncio.gather(*(_words(client, peer) for _ in range(3)))
+    finally:
+        await client.aclose()
+    assert results == [["one ", "two"]] * 3
+    assert peer.most_open == 1 and peer.connections == 1
+
+
+async def test_a_refusal_says_its_status_message_and_wait(peer: Peer) -> None:
+    peer.answer = "refuse"
+    client = create_client(60, 4)
+    try:
+        with pytest.raises(TransientUpstreamError) as raised:
+            await _words(client, peer)
+    finally:
+        await client.aclose()
+    assert "the upstream answered 503: overloaded" in str(raised.value)
+    assert raised.value.retry_after == 7
+
+
+async def test_a_port_nobody_listens_on_is_a_transient_connect_fault(peer: Peer) -> None:
+    client = create_client(60, 4)
+    closed = Peer(port=1)  # nothing listens on port 1
+    try:
+        with pytest.raises(
+            TransientUpstreamError, match=r"could not connect to the upstream at http://127\.0\.0\.1:1/"
+        ):
+            await _words(client, closed)
+    finally:
+        await client.aclose()
