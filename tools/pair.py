@@ -295,7 +295,7 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
     elif args.perf:
         tool, suffix = ["perf", "record", "-F", "499", "-g", "-o"], "perf"
     else:
-        how = ["--native"] if args.native else ["--nonblocking"]
+        how = ["--native"] if args.native else ["--nonblocking", *(["--gil"] if args.gil else [])]
         tool, suffix = [args.py_spy, "record", "-r", "250", "-f", "raw", *how, "-o"], "txt"
     return [
         subprocess.Popen(
@@ -345,6 +345,7 @@ def main() -> None:
         "--perf", action="store_true", help="with --spy: perf, not py-spy (PYTHONPERFSUPPORT set)"
     )
     parser.add_argument("--native", action="store_true", help="with --spy: py-spy --native")
+    parser.add_argument("--gil", action="store_true", help="with --spy: py-spy --gil (samples only the thread holding the GIL: on-CPU Python)")
     parser.add_argument("--pg-log", action="store_true", help="log every Postgres statement (with --keep)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")

@@ -55,7 +55,10 @@ class DirectPool:
     async def connection(self) -> AsyncIterator[Connection]:
         """A connection for one statement or a few (each its own transaction)."""
         try:
-            async with asyncio.timeout(self._wait_seconds):
+            if self._free.locked():  # none free: waited for, bounded (a free one is taken at once)
+                async with asyncio.timeout(self._wait_seconds):
+                    await self._free.acquire()
+            else:
                 await self._free.acquire()
         except TimeoutError:
             raise PoolTimeoutError(
