@@ -25,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import httptools
 import httpx2
 
 # A connection idle this long is closed rather than used again (aiohttp's default keep-alive).
 KEEPALIVE_SECONDS = 15.0
+# How long the rest of an answer read to its logical end may take to come (`Body.read_to_its_end`).
+DRAIN_SECONDS = 1.0
 # Reading from a connection pauses while this much of its body waits for its reader.
 _HIGH_WATER = 1 << 20
 
@@ -47,6 +50,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.is_closed = False
         self.idle_since = 0.0
+        self._then: Callable[[], None] | None = None  # while drained (`drain`)
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._reset()
 
@@ -82,6 +87,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
+        self._stop_draining()
         if not self.is_complete and self.fault is None:
             self._fail(BodyCutError("the connection closed before the answer ended"))
 
@@ -104,6 +110,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._then is not None:  # drained: what is left of an answer read to its logical end
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -115,6 +123,31 @@ class _Connection(asyncio.Protocol):
         if self.status:  # not an interim answer's end
             self.is_complete = True
             self._wake()
+            then = self._then
+            if then is not None:
+                self._stop_draining()
+                then()
+
+    def drain(self, then: Callable[[], None], seconds: float) -> None:
+        """Read what is left of the answer under way, discarding it, then call `then`; closed if
+        its end does not come within `seconds`."""
+        if self.is_complete:
+            then()
+            return
+        if self.is_closed:
+            return
+        self._chunks.clear()
+        self._then = then
+        self._drain_timer = asyncio.get_running_loop().call_later(seconds, self.close)
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _stop_draining(self) -> None:
+        self._then = None
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
 
     # the transport's side ----------------------------------------------------------------------------
 
@@ -187,6 +220,7 @@ class Body(httpx2.AsyncByteStream):
         self._read_seconds = read_seconds
         self.is_identity = encoding.strip().lower() in ("", "identity")  # else httpx decodes it
         self._is_closed = False
+        self._drains = False
 
     async def read(self) -> bytes | None:
         """The body's next bytes as they came (None at its end); faults as httpx's."""
@@ -207,10 +241,21 @@ class Body(httpx2.AsyncByteStream):
         while (chunk := await self.read()) is not None:
             yield chunk
 
+    def read_to_its_end(self) -> None:
+        """The caller has what it needs of the body (its logical end, such as `data: [DONE]`, came)
+        and closes it: the connection is used again once the rest of the answer (its last chunk,
+        which a server may send a moment later) has come, where closing it now would lose it."""
+        self._drains = True
+
     async def aclose(self) -> None:
         if not self._is_closed:
             self._is_closed = True
-            self._pool._release(self._key, self._connection, reusable=self._connection.is_complete)
+            connection = self._connection
+            if self._drains and not connection.is_complete and not connection.is_closed:
+                self._pool._give_slot()
+                connection.drain(partial(self._pool._keep, self._key, connection), DRAIN_SECONDS)
+                return
+            self._pool._release(self._key, connection, reusable=connection.is_complete)
 
     def _done(self) -> None:
         if not self._is_closed:
@@ -309,7 +354,14 @@ class Http1Transport(httpx2.AsyncBaseTransport):
 
     def _release(self, key: tuple[str, int], connection: _Connection, *, reusable: bool) -> None:
         self._give_slot()
-        if reusable and connection.keeps_alive and not connection.is_closed:
+        if reusable:
+            self._keep(key, connection)
+        else:
+            connection.close()
+
+    def _keep(self, key: tuple[str, int], connection: _Connection) -> None:
+        """An answered connection, kept for the next request unless either side said it ends."""
+        if connection.keeps_alive and not connection.is_closed:
             connection.idle_since = time.monotonic()
             self._idle.setdefault(key, []).append(connection)
         else:

@@ -344,6 +344,8 @@ async def _attempt(
                     break
             if not is_ended:
                 raise _unfinished(kind, is_done)
+            if is_done and isinstance(reply.stream, http1.Body):  # its last chunk may come after
+                reply.stream.read_to_its_end()
         finally:
             silence.stop()
             await reply.aclose()

@@ -16,6 +16,7 @@ import pytest
 
 from worker.errors import TransientUpstreamError
 from worker.routing import Route, UpstreamApi
+from worker.runner import http1
 from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_json
 
 NO_RETRIES = RetryPolicy(retries=0)
@@ -34,7 +35,7 @@ def _sse(*words: str) -> bytes:
 class Peer:
     """A model server's HTTP/1.1, answering each request by `answer` (request number, from 1)."""
 
-    answer: str = "chunked"  # chunked | gzip | refuse | drop_second | close_after
+    answer: str = "chunked"  # chunked | gzip | refuse | drop_second | close_after | end_later | end_never
     connections: int = 0
     open_now: int = 0
     most_open: int = 0
@@ -53,7 +54,17 @@ class Peer:
                 if self.answer == "drop_second" and len(self.requests) == 2:
                     return  # closes without answering, as a server closing an idle connection
                 await asyncio.sleep(0.05)  # long enough for a second call to overlap this one
-                writer.write(_answer(self.answer))
+                answer = _answer(self.answer)
+                if self.answer in ("end_later", "end_never"):  # its last chunk a moment later, or never
+                    last = answer.rindex(b"0\r\n\r\n")
+                    writer.write(answer[:last])
+                    await writer.drain()
+                    if self.answer == "end_never":
+                        await reader.read()  # until the client gives up and closes
+                        return
+                    await asyncio.sleep(0.02)
+                    answer = answer[last:]
+                writer.write(answer)
                 await writer.drain()
                 if self.answer == "close_after":
                     await asyncio.sleep(0.05)  # idle a moment, then closed (a keep-alive timeout)
@@ -123,6 +134,37 @@ async def test_calls_one_after_another_share_one_kept_alive_connection(peer: Pee
     assert [request["target"] for request in peer.requests] == [b"/v1/chat/completions"] * 3
     assert all(request["body"] == BODY for request in peer.requests)
     assert all(request["headers"][b"accept"] == b"text/event-stream" for request in peer.requests)
+
+
+async def test_an_answer_whose_last_chunk_comes_after_its_done_keeps_its_connection(peer: Peer) -> None:
+    """`data: [DONE]` ends the call; the body's last chunk comes 20 ms later (as llama-cpp-python's
+    server sends it): the connection is read to that end and used again, not closed under it."""
+    peer.answer = "end_later"
+    client = create_client(60, 4)
+    try:
+        for _ in range(3):
+            assert await _words(client, peer) == ["one ", "two"]
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+    assert peer.connections == 1 and len(peer.requests) == 3
+
+
+async def test_an_answer_whose_last_chunk_never_comes_loses_its_connection(
+    peer: Peer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last chunk does not come within the drain's bound: that connection is closed, and the
+    next call goes on a new one."""
+    monkeypatch.setattr(http1, "DRAIN_SECONDS", 0.1)
+    peer.answer = "end_never"
+    client = create_client(60, 4)
+    try:
+        assert await _words(client, peer) == ["one ", "two"]
+        await asyncio.sleep(0.3)
+        assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+    assert peer.connections == 2 and peer.open_now <= 1
 
 
 async def test_a_connection_closed_while_idle_is_not_used_again(peer: Peer) -> None:
