@@ -67,6 +67,7 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._headers_done = False
+        self._ends_at_close = False
         self._waiter: asyncio.Future[None] | None = None
 
     # asyncio.Protocol -----------------------------------------------------------------------------
@@ -88,6 +89,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
         self._stop_draining()
+        if self._headers_done and self._ends_at_close and not self.is_complete and exc is None:
+            self.is_complete = True  # a body of no stated length ends where its connection does
+            self._wake()
         if not self.is_complete and self.fault is None:
             self._fail(BodyCutError("the connection closed before the answer ended"))
 
@@ -106,6 +110,8 @@ class _Connection(asyncio.Protocol):
             return
         self.status = status
         self.keeps_alive = self._parser.should_keep_alive()
+        framed = {name.lower() for name, _ in self.headers} & {b"content-length", b"transfer-encoding"}
+        self._ends_at_close = not framed and status not in (204, 304)
         self._headers_done = True
         self._wake()
 

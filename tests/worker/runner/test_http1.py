@@ -35,7 +35,8 @@ def _sse(*words: str) -> bytes:
 class Peer:
     """A model server's HTTP/1.1, answering each request by `answer` (request number, from 1)."""
 
-    answer: str = "chunked"  # chunked | gzip | refuse | drop_second | close_after | end_later | end_never
+    # chunked | gzip | refuse | drop_second | close_after | end_later | end_never | until_close
+    answer: str = "chunked"
     connections: int = 0
     open_now: int = 0
     most_open: int = 0
@@ -66,6 +67,8 @@ class Peer:
                     answer = answer[last:]
                 writer.write(answer)
                 await writer.drain()
+                if self.answer == "until_close":
+                    return
                 if self.answer == "close_after":
                     await asyncio.sleep(0.05)  # idle a moment, then closed (a keep-alive timeout)
                     return
@@ -96,6 +99,9 @@ def _answer(how: str) -> bytes:
     if how == "refuse":
         error = orjson.dumps({"error": {"message": "overloaded"}})
         return b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\nretry-after: 7\r\n\r\n%s" % (len(error), error)  # fmt: skip
+    if how == "until_close":  # HTTP/1.0's way: no length, the body ends with the connection
+        ended = body.removesuffix(b"data: [DONE]\n\n")  # read to the connection's close, then
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ended
     if how == "gzip":
         packed = gzip.compress(body)
         return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s" % (len(packed), packed)  # fmt: skip
@@ -192,6 +198,19 @@ async def test_a_request_that_meets_an_idle_connections_close_goes_again_on_a_ne
     finally:
         await client.aclose()
     assert peer.connections == 2 and len(peer.requests) == 3
+
+
+async def test_a_body_of_no_stated_length_ends_with_its_connection(peer: Peer) -> None:
+    """No content-length, not chunked, `connection: close`: the body is what came before the
+    close, whole (not a body cut short), and the next call goes on a new connection."""
+    peer.answer = "until_close"
+    client = create_client(60, 4)
+    try:
+        assert await _words(client, peer) == ["one ", "two"]
+        assert await _words(client, peer) == ["one ", "two"]
+    finally:
+        await client.aclose()
+    assert peer.connections == 2
 
 
 async def test_a_gzip_body_is_read_decoded(peer: Peer) -> None:
