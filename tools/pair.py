@@ -345,7 +345,11 @@ def main() -> None:
         "--perf", action="store_true", help="with --spy: perf, not py-spy (PYTHONPERFSUPPORT set)"
     )
     parser.add_argument("--native", action="store_true", help="with --spy: py-spy --native")
-    parser.add_argument("--gil", action="store_true", help="with --spy: py-spy --gil (samples only the thread holding the GIL: on-CPU Python)")
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="with --spy: py-spy --gil (samples only the thread holding the GIL: on-CPU Python)",
+    )
     parser.add_argument("--pg-log", action="store_true", help="log every Postgres statement (with --keep)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
