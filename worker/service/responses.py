@@ -489,8 +489,13 @@ class ResponseService:
         return request, route, items
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
-        """The Response as it stands (PROTOCOL.md §6.3 polling)."""
-        return (await self._stored(owner, response_id)).response
+        """The Response as it stands (PROTOCOL.md §6.3 polling): its column alone is read."""
+        logs.RESPONSE_ID.set(response_id)
+        async with self.direct.connection() as conn:
+            answer = await store.get_answer(conn, response_id, owner)
+        if answer is None:
+            raise ResponseNotFoundError(response_id)
+        return answer
 
     async def replay(self, owner: str, response_id: str, after: int) -> Stream:
         """The response's events after `after`, to relay (PROTOCOL.md §6.3): raises unless it

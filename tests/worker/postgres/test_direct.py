@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import psycopg
@@ -208,3 +209,23 @@ async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_
         assert not await store.mark_finished(conn, taken_over, 1, {**final, "id": taken_over})
         stored = await store.get_response(conn, unclaimed, "direct")
         assert stored is not None and (stored.status, stored.attempt) == ("completed", 1)
+
+
+async def test_a_polls_read_is_the_response_of_its_owner_stored(pool: DirectPool) -> None:
+    """`get_answer` (a poll's read, without the row's request and input): the Response for its
+    owner; nothing for another owner, an unknown id, or a response not stored."""
+    kept, unkept = f"resp_{uuid.uuid4().hex}", f"resp_{uuid.uuid4().hex}"
+    for response_id, stored in ((kept, True), (unkept, False)):
+        row = {
+            **_ROW,
+            "id": response_id,
+            "store": stored,
+            "response": {"id": response_id, "status": "queued"},
+        }
+        async with pool.connection() as conn:
+            await store.insert_response(conn, row, row["conversation"])
+    async with pool.connection() as conn:
+        assert await store.get_answer(conn, kept, "direct") == {"id": kept, "status": "queued"}
+        assert await store.get_answer(conn, kept, "someone else") is None
+        assert await store.get_answer(conn, unkept, "direct") is None
+        assert await store.get_answer(conn, "resp_unknown", "direct") is None
