@@ -145,7 +145,9 @@ FROM created JOIN jsonb_array_elements(%(items)s) WITH ORDINALITY AS items (valu
 """
 _SELECT = f"SELECT {_RETURNED} FROM response WHERE id = %(rid)s"
 _SELECT_OWNED = f"{_SELECT} AND owner = %(owned_by)s"
-_SELECT_ANSWER = "SELECT store, response FROM response WHERE id = %(rid)s AND owner = %(owned_by)s"
+_SELECT_VIEW = (
+    "SELECT store, status, background, response FROM response WHERE id = %(rid)s AND owner = %(owned_by)s"
+)
 _START_ATTEMPT = f"""
 UPDATE response
 SET status = '{Status.IN_PROGRESS}', attempt = %(new_attempt)s, started_at = now(),
@@ -233,16 +235,25 @@ async def get_response(conn: Connection, response_id: str, owner: str | None = N
     return None if row is None else _stored(row)
 
 
-async def get_answer(conn: Connection, response_id: str, owner: str) -> dict[str, Any] | None:
-    """The Response `response_id` as stored, if `owner` has it stored (`store` true): a poll's
-    read, which leaves out the row's request and input (a long history is most of a row: a poll of a
-    response with 300 KB of input read 1.6 ms of CPU and 5.6 ms through them, 0.1 and 0.2 without)."""
-    cursor = await (await driver(conn)).execute(_SELECT_ANSWER, {"rid": response_id, "owned_by": owner})
+@dataclass(frozen=True)
+class View:
+    """A stored response as the API's reads of one see it: no request, no input."""
+
+    status: Status
+    background: bool
+    response: dict[str, Any]
+
+
+async def get_view(conn: Connection, response_id: str, owner: str) -> View | None:
+    """`response_id` as its owner sees it, if `owner` has it stored (`store` true): the API's read
+    for a poll, a cancel, a delete, a replay, which leaves out the row's request and input (a long
+    history is most of a row: a poll of a response with 300 KB of input read 1.6 ms of CPU and
+    5.6 ms through them, 0.1 and 0.2 without)."""
+    cursor = await (await driver(conn)).execute(_SELECT_VIEW, {"rid": response_id, "owned_by": owner})
     row = await cursor.fetchone()
     if row is None or not row[0]:
         return None
-    answer: dict[str, Any] = row[1]
-    return answer
+    return View(Status(row[1]), row[2], row[3])
 
 
 async def start_attempt(conn: Connection, response_id: str, attempt: int) -> StoredResponse | None:

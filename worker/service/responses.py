@@ -489,13 +489,8 @@ class ResponseService:
         return request, route, items
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
-        """The Response as it stands (PROTOCOL.md §6.3 polling): its column alone is read."""
-        logs.RESPONSE_ID.set(response_id)
-        async with self.direct.connection() as conn:
-            answer = await store.get_answer(conn, response_id, owner)
-        if answer is None:
-            raise ResponseNotFoundError(response_id)
-        return answer
+        """The Response as it stands (PROTOCOL.md §6.3 polling)."""
+        return (await self._stored(owner, response_id)).response
 
     async def replay(self, owner: str, response_id: str, after: int) -> Stream:
         """The response's events after `after`, to relay (PROTOCOL.md §6.3): raises unless it
@@ -648,11 +643,13 @@ class ResponseService:
         async with self.autocommit.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
-    async def _stored(self, owner: str, response_id: str) -> store.StoredResponse:
+    async def _stored(self, owner: str, response_id: str) -> store.View:
+        """The response as its owner sees it (its request and input left unread: `store.get_view`);
+        a 404 if the owner has no such response stored."""
         logs.RESPONSE_ID.set(response_id)
         async with self.direct.connection() as conn:
-            stored = await store.get_response(conn, response_id, owner)
-        if stored is None or not stored.store:
+            stored = await store.get_view(conn, response_id, owner)
+        if stored is None:
             raise ResponseNotFoundError(response_id)
         return stored
 

@@ -18,6 +18,7 @@ from tests.support.stack import Servers, fresh_database
 from worker.outages import is_postgres_outage
 from worker.postgres import store
 from worker.postgres.direct import DirectPool, PoolTimeoutError, driver_url, shares
+from worker.protocol.response import Status
 
 pytestmark = pytest.mark.integration
 
@@ -211,9 +212,10 @@ async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_
         assert stored is not None and (stored.status, stored.attempt) == ("completed", 1)
 
 
-async def test_a_polls_read_is_the_response_of_its_owner_stored(pool: DirectPool) -> None:
-    """`get_answer` (a poll's read, without the row's request and input): the Response for its
-    owner; nothing for another owner, an unknown id, or a response not stored."""
+async def test_the_apis_read_is_the_response_of_its_owner_stored(pool: DirectPool) -> None:
+    """`get_view` (a poll's, a cancel's, a delete's read, without the row's request and input):
+    status, background and Response for its owner; nothing for another owner, an unknown id, or a
+    response not stored."""
     kept, unkept = f"resp_{uuid.uuid4().hex}", f"resp_{uuid.uuid4().hex}"
     for response_id, stored in ((kept, True), (unkept, False)):
         row = {
@@ -225,7 +227,8 @@ async def test_a_polls_read_is_the_response_of_its_owner_stored(pool: DirectPool
         async with pool.connection() as conn:
             await store.insert_response(conn, row, row["conversation"])
     async with pool.connection() as conn:
-        assert await store.get_answer(conn, kept, "direct") == {"id": kept, "status": "queued"}
-        assert await store.get_answer(conn, kept, "someone else") is None
-        assert await store.get_answer(conn, unkept, "direct") is None
-        assert await store.get_answer(conn, "resp_unknown", "direct") is None
+        view = await store.get_view(conn, kept, "direct")
+        assert view == store.View(Status.QUEUED, True, {"id": kept, "status": "queued"})
+        assert await store.get_view(conn, kept, "someone else") is None
+        assert await store.get_view(conn, unkept, "direct") is None
+        assert await store.get_view(conn, "resp_unknown", "direct") is None
