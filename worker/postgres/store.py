@@ -210,7 +210,9 @@ def new_row(
         "store": request.is_stored,
         "stream": request.is_stream,
         "previous_response_id": request.previous_response_id,
-        "request": request.model_dump(exclude_unset=True),
+        # Its input is in `conversation` (after what it continues) and in its input items: kept a
+        # third time here, a long history made a row's insert (and its ticket) half again as large.
+        "request": request.model_dump(exclude_unset=True, exclude={"input"}),
         "conversation": conversation,
         "response": {**response, "status": status.value},
         "chain_depth": chain_depth,
