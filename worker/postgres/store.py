@@ -90,7 +90,7 @@ class StoredResponse:
     background: bool
     store: bool
     stream: bool
-    request: dict[str, Any]
+    request: dict[str, Any]  # the create body as sent, but its input (in `conversation`)
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
     attempt: int

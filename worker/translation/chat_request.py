@@ -44,8 +44,9 @@ def to_chat_request(
 ) -> dict[str, Any]:
     """The body for the upstream's `POST /v1/chat/completions`, always streamed with usage.
 
-    `request` is the Responses create body as the client sent it, `input_items` the whole
-    normalised conversation (earlier turns first), `model` the upstream's model name.
+    `request` is the Responses create body as the client sent it (a stored one without its
+    `input`, never read here), `input_items` the whole normalised conversation (earlier turns
+    first), `model` the upstream's model name.
 
     Rules:
     - `instructions` and the conversation => `messages` (its rules: `chat_messages.to_chat_messages`)
