@@ -26,7 +26,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 
 import httptools
 import httpx2
@@ -259,7 +258,7 @@ class Body(httpx2.AsyncByteStream):
             connection = self._connection
             if self._drains and not connection.is_complete and not connection.is_closed:
                 self._pool._give_slot()
-                connection.drain(partial(self._pool._keep, self._key, connection), DRAIN_SECONDS)
+                self._pool._drain(self._key, connection)
                 return
             self._pool._release(self._key, connection, reusable=connection.is_complete)
 
@@ -277,7 +276,9 @@ class Http1Transport(httpx2.AsyncBaseTransport):
         self._fallback = fallback
         self._max_connections = max_connections
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._draining: set[_Connection] = set()
         self._slots: asyncio.Semaphore | None = None
+        self._is_closed = False
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
@@ -365,9 +366,21 @@ class Http1Transport(httpx2.AsyncBaseTransport):
         else:
             connection.close()
 
+    def _drain(self, key: tuple[str, int], connection: _Connection) -> None:
+        """Kept once the rest of its answer has come (`Body.read_to_its_end`)."""
+        self._draining = {other for other in self._draining if not other.is_closed}  # timed out
+        self._draining.add(connection)
+
+        def drained() -> None:
+            self._draining.discard(connection)
+            self._keep(key, connection)
+
+        connection.drain(drained, DRAIN_SECONDS)
+
     def _keep(self, key: tuple[str, int], connection: _Connection) -> None:
-        """An answered connection, kept for the next request unless either side said it ends."""
-        if connection.keeps_alive and not connection.is_closed:
+        """An answered connection, kept for the next request unless either side said it ends (or
+        the transport is closed)."""
+        if connection.keeps_alive and not connection.is_closed and not self._is_closed:
             connection.idle_since = time.monotonic()
             self._idle.setdefault(key, []).append(connection)
         else:
@@ -390,9 +403,10 @@ class Http1Transport(httpx2.AsyncBaseTransport):
         self._slots.release()
 
     async def aclose(self) -> None:
-        for idle in self._idle.values():
-            for connection in idle:
-                connection.close()
+        self._is_closed = True
+        for connection in [*self._draining, *(c for idle in self._idle.values() for c in idle)]:
+            connection.close()
+        self._draining.clear()
         self._idle.clear()
         await self._fallback.aclose()
 

@@ -128,14 +128,26 @@ async def _words(client: Any, peer: Peer) -> list[str]:
     return [word for word in words if word]
 
 
-async def test_calls_one_after_another_share_one_kept_alive_connection(peer: Peer) -> None:
-    """Three calls, one connection; each request is a JSON POST to the route's path, as sent."""
+async def _calls(peer: Peer, count: int, pause: float = 0.0) -> list[list[str]]:
+    """`count` calls one after another on one client, `pause` seconds apart: each one's words."""
     client = create_client(60, 4)
     try:
-        for _ in range(3):
-            assert await _words(client, peer) == ["one ", "two"]
+        answers = []
+        for index in range(count):
+            if index:
+                await asyncio.sleep(pause)
+            answers.append(await _words(client, peer))
+        return answers
     finally:
         await client.aclose()
+
+
+ANSWER = ["one ", "two"]
+
+
+async def test_calls_one_after_another_share_one_kept_alive_connection(peer: Peer) -> None:
+    """Three calls, one connection; each request is a JSON POST to the route's path, as sent."""
+    assert await _calls(peer, 3) == [ANSWER] * 3
     assert peer.connections == 1
     assert [request["target"] for request in peer.requests] == [b"/v1/chat/completions"] * 3
     assert all(request["body"] == BODY for request in peer.requests)
@@ -146,13 +158,7 @@ async def test_an_answer_whose_last_chunk_comes_after_its_done_keeps_its_connect
     """`data: [DONE]` ends the call; the body's last chunk comes 20 ms later (as llama-cpp-python's
     server sends it): the connection is read to that end and used again, not closed under it."""
     peer.answer = "end_later"
-    client = create_client(60, 4)
-    try:
-        for _ in range(3):
-            assert await _words(client, peer) == ["one ", "two"]
-            await asyncio.sleep(0.05)
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 3, pause=0.05) == [ANSWER] * 3
     assert peer.connections == 1 and len(peer.requests) == 3
 
 
@@ -163,13 +169,7 @@ async def test_an_answer_whose_last_chunk_never_comes_loses_its_connection(
     next call goes on a new one."""
     monkeypatch.setattr(http1, "DRAIN_SECONDS", 0.1)
     peer.answer = "end_never"
-    client = create_client(60, 4)
-    try:
-        assert await _words(client, peer) == ["one ", "two"]
-        await asyncio.sleep(0.3)
-        assert await _words(client, peer) == ["one ", "two"]
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 2, pause=0.3) == [ANSWER] * 2
     assert peer.connections == 2 and peer.open_now <= 1
 
 
@@ -177,13 +177,7 @@ async def test_a_connection_closed_while_idle_is_not_used_again(peer: Peer) -> N
     """The server closes each connection a moment after its answer: the next call finds it closed
     and opens another, without a fault."""
     peer.answer = "close_after"
-    client = create_client(60, 4)
-    try:
-        assert await _words(client, peer) == ["one ", "two"]
-        await asyncio.sleep(0.2)
-        assert await _words(client, peer) == ["one ", "two"]
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 2, pause=0.2) == [ANSWER] * 2
     assert peer.connections == 2
 
 
@@ -191,12 +185,7 @@ async def test_a_request_that_meets_an_idle_connections_close_goes_again_on_a_ne
     """The server closes a kept-alive connection under the next request, before any answer (its
     close and the request crossed): the request goes once more, on a new connection, and is answered."""
     peer.answer = "drop_second"
-    client = create_client(60, 4)
-    try:
-        assert await _words(client, peer) == ["one ", "two"]
-        assert await _words(client, peer) == ["one ", "two"]
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 2) == [ANSWER] * 2
     assert peer.connections == 2 and len(peer.requests) == 3
 
 
@@ -204,22 +193,13 @@ async def test_a_body_of_no_stated_length_ends_with_its_connection(peer: Peer) -
     """No content-length, not chunked, `connection: close`: the body is what came before the
     close, whole (not a body cut short), and the next call goes on a new connection."""
     peer.answer = "until_close"
-    client = create_client(60, 4)
-    try:
-        assert await _words(client, peer) == ["one ", "two"]
-        assert await _words(client, peer) == ["one ", "two"]
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 2) == [ANSWER] * 2
     assert peer.connections == 2
 
 
 async def test_a_gzip_body_is_read_decoded(peer: Peer) -> None:
     peer.answer = "gzip"
-    client = create_client(60, 4)
-    try:
-        assert await _words(client, peer) == ["one ", "two"]
-    finally:
-        await client.aclose()
+    assert await _calls(peer, 1) == [ANSWER]
 
 
 async def test_calls_past_the_connection_bound_wait_for_a_free_one(peer: Peer) -> None:
