@@ -160,6 +160,8 @@ async def test_an_answer_whose_last_chunk_comes_after_its_done_keeps_its_connect
     peer.answer = "end_later"
     assert await _calls(peer, 3, pause=0.05) == [ANSWER] * 3
     assert peer.connections == 1 and len(peer.requests) == 3
+    await asyncio.sleep(0.1)  # the client closed as its last answer drained: that connection too
+    assert peer.open_now == 0
 
 
 async def test_an_answer_whose_last_chunk_never_comes_loses_its_connection(
