@@ -133,6 +133,9 @@ _NEW_ROW = (
 _JSON_COLUMNS = frozenset({"request", "conversation", "response"})
 _RETURNED = ", ".join(column.name for column in _COLUMNS)
 # The row and its input items in one statement (a data-modifying CTE): in autocommit, one round trip.
+# Its input items are the last of its conversation (after what it continues), taken from the
+# conversation's own parameter: a long input is sent and parsed once, not twice (a create with
+# ~300 KB of input: the API's CPU for the insert 1.0-1.1 -> 0.5-0.6 ms, its time 6.7-9.6 -> 4.7-5.2).
 _INSERT = f"""
 WITH created AS (
     INSERT INTO response ({", ".join(_NEW_ROW)})
@@ -140,8 +143,9 @@ WITH created AS (
     RETURNING id
 )
 INSERT INTO input_item (response_id, position, item_id, item)
-SELECT created.id, items.ordinality - 1, items.value ->> 'id', items.value
-FROM created JOIN jsonb_array_elements(%(items)s) WITH ORDINALITY AS items (value, ordinality) ON true
+SELECT created.id, items.ordinality - 1 - %(continued)s, items.value ->> 'id', items.value
+FROM created JOIN jsonb_array_elements(%(conversation)s) WITH ORDINALITY AS items (value, ordinality) ON true
+WHERE items.ordinality > %(continued)s
 """
 _SELECT = f"SELECT {_RETURNED} FROM response WHERE id = %(rid)s"
 _SELECT_OWNED = f"{_SELECT} AND owner = %(owned_by)s"
@@ -220,11 +224,15 @@ def new_row(
     }
 
 
-async def insert_response(conn: Connection, row: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
-    """Insert a new response row and its input items (each has an `id`), in one statement."""
+async def insert_response(conn: Connection, row: dict[str, Any], input_count: int) -> None:
+    """Insert a new response row and its input items, the last `input_count` items of its
+    conversation (each has an `id`), in one statement."""
+    if not 0 <= input_count <= len(row["conversation"]):
+        raise ValueError(f"{input_count} input items of a conversation of {len(row['conversation'])}")
     values = {name: Jsonb(row[name]) if name in _JSON_COLUMNS else row[name] for name in _NEW_ROW}
     values["status"] = str(values["status"])
-    await (await driver(conn)).execute(_INSERT, {**values, "items": Jsonb(input_items)})
+    continued = len(row["conversation"]) - input_count
+    await (await driver(conn)).execute(_INSERT, {**values, "continued": continued})
 
 
 async def get_response(conn: Connection, response_id: str, owner: str | None = None) -> StoredResponse | None:

@@ -234,13 +234,13 @@ class ResponseService:
         response = row["response"]
         ticket = store.ticket(row, TICKET_MAX_BYTES)
         if ticket is None:
-            await store.insert_response(conn, row, own_items)
+            await store.insert_response(conn, row, len(own_items))
             await self._enqueue(owner, request, response, secrets, None)
             return
         enqueuing = asyncio.ensure_future(self._queue(request, response, secrets, ticket))
         await asyncio.sleep(0)  # the enqueue's script goes out before the insert is even built
         try:
-            await store.insert_response(conn, row, own_items)
+            await store.insert_response(conn, row, len(own_items))
         except Exception:
             await self._unqueue(response["id"], enqueuing)
             raise

@@ -143,7 +143,7 @@ async def test_a_response_is_inserted_started_and_finished_through_either_connec
     engine = store.create_engine(database, connections=1)
     try:
         async with pool.connection() as conn:
-            await store.insert_response(conn, row, row["conversation"])
+            await store.insert_response(conn, row, len(row["conversation"]))
 
         async def run_statements(conn: store.Connection) -> None:
             started = await store.start_attempt(conn, response_id, 2)
@@ -181,7 +181,7 @@ async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_
     async with pool.connection() as conn:
         for response_id in ("resp_ticket_started", "resp_ticket_claimed"):
             row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued", "n": 1.5}}
-            await store.insert_response(conn, row, row["conversation"])
+            await store.insert_response(conn, row, len(row["conversation"]))
             ticket = store.ticket(row, 4096)
             assert ticket is not None and store.ticket(row, len(ticket) - 1) is None
             tickets[response_id] = ticket
@@ -203,7 +203,7 @@ async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_
     async with pool.connection() as conn:
         for response_id in (unclaimed, taken_over):
             row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "in_progress"}}
-            await store.insert_response(conn, {**row, "status": "in_progress"}, row["conversation"])
+            await store.insert_response(conn, {**row, "status": "in_progress"}, len(row["conversation"]))
         assert await store.mark_finished(conn, unclaimed, 1, {**final, "id": unclaimed})
         assert await store.start_attempt(conn, unclaimed, 2) is None  # ended: nothing to take over
         assert await store.start_attempt(conn, taken_over, 2) is not None
@@ -225,10 +225,30 @@ async def test_the_apis_read_is_the_response_of_its_owner_stored(pool: DirectPoo
             "response": {"id": response_id, "status": "queued"},
         }
         async with pool.connection() as conn:
-            await store.insert_response(conn, row, row["conversation"])
+            await store.insert_response(conn, row, len(row["conversation"]))
     async with pool.connection() as conn:
         view = await store.get_view(conn, kept, "direct")
         assert view == store.View(Status.QUEUED, True, {"id": kept, "status": "queued"})
         assert await store.get_view(conn, kept, "someone else") is None
         assert await store.get_view(conn, unkept, "direct") is None
         assert await store.get_view(conn, "resp_unknown", "direct") is None
+
+
+async def test_a_rows_input_items_are_the_last_of_its_conversation(pool: DirectPool, database: str) -> None:
+    """A response that continues two items has its own two as its input items, numbered from 0,
+    taken from its conversation in the insert; a count past the conversation is refused."""
+    response_id = f"resp_{uuid.uuid4().hex}"
+    conversation = [
+        {"id": f"msg_{name}", "type": "message", "role": "user", "content": name}
+        for name in ("earlier", "reply", "own1", "own2")
+    ]
+    row = {**_ROW, "id": response_id, "conversation": conversation, "response": {"id": response_id}}
+    async with pool.connection() as conn:
+        with pytest.raises(ValueError, match="5 input items of a conversation of 4"):
+            await store.insert_response(conn, row, 5)
+        await store.insert_response(conn, row, 2)
+        cursor = await conn.execute(
+            "SELECT position, item_id FROM input_item WHERE response_id = %s ORDER BY position",
+            (response_id,),
+        )
+        assert await cursor.fetchall() == [(0, "msg_own1"), (1, "msg_own2")]

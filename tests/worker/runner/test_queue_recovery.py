@@ -194,7 +194,7 @@ def test_a_ticketed_response_taken_before_its_row_landed_waits_for_it(lab: Lab, 
         async with await psycopg.AsyncConnection.connect(
             driver_url(lab.stack.env["RESPOOL_DATABASE_URL"]), autocommit=True
         ) as conn:
-            await store.insert_response(conn, row, [])
+            await store.insert_response(conn, row, 0)
 
     lab.start(f"early-{background}")
     asyncio.run(enqueue())
