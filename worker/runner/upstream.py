@@ -374,9 +374,9 @@ class _Silence:
         self._timer: asyncio.TimerHandle | None = None
 
     def reader(self, reply: httpx2.Response) -> Callable[[], Awaitable[bytes | None]]:
-        """What reads the body's next chunk (None at its end), within the bound: straight from
-        aiohttp's reader where aiohttp's transport brought the body as sent, else through httpx's
-        body (a compressed one, another transport's)."""
+        """What reads the body's next chunk (None at its end), within the bound: straight from the
+        transport's reader (http1's, or aiohttp's) where it brought the body as sent, else through
+        httpx's body (a compressed one, another transport's)."""
         stream = reply.stream
         if isinstance(stream, http1.Body) and stream.is_identity:
             self._arm()
