@@ -48,6 +48,8 @@ SCENARIOS = {
     "short2k": ("short", 16, 2000, 8, 0),  # for --spy: enough samples of a response's path
     "s30long": ("streams", 30, 150, 150, 20),  # for --spy: s30 five times over
     "bg": ("bg", 16, 400, 8, 0),
+    "bg1s": ("bg", 64, 400, 8, 1000),  # each polled once, a second on (pace: the poll interval, ms)
+    "poll": ("poll", 16, 2000, 8, 0),  # polls of one ended response (what a poll costs)
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
 }
@@ -89,6 +91,7 @@ class Build:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.target = Target(name, self.url, Api.RESPONSES)
+        self.polled: str | None = None  # the ended response the "poll" scenario polls
 
     def start(self) -> None:
         # The tree's own packages, not the checkout's (`python -m` puts the working dir first on
@@ -141,13 +144,26 @@ async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
         )
         summary = stats.summarize(samples, tokens)
         return summary["tokens"], summary
+    if kind == "poll":
+        if build.polled is None:
+            first = await load.short_count(
+                build.target,
+                background=False,
+                count=1,
+                concurrency=1,
+                model=load.model_name(tokens, 0),
+                poll_seconds=0,
+            )
+            build.polled = first.response_ids[0]
+        polled = await load.polls(build.target, build.polled, count=count, concurrency=concurrency)
+        return polled.polls, {"errors": polled.errors, "first_error": polled.first_error}
     done = await load.short_count(
         build.target,
         background=kind == "bg",
         count=count,
         concurrency=concurrency,
         model=load.model_name(tokens, 0),
-        poll_seconds=0.25,
+        poll_seconds=pace / 1000 if pace else 0.25,
     )
     return done.completed, {"errors": done.errors, "polls": done.polls, "first_error": done.first_error}
 

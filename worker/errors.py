@@ -297,11 +297,6 @@ class CancelRequestedError(Exception):
     """A cancel was requested for the response this attempt is running."""
 
 
-class NotStartedError(Exception):
-    """Postgres did not let this attempt start the response (it was cancelled or deleted while it
-    waited, or a later attempt holds it) after its upstream call had begun: nothing it sent is appended."""
-
-
 class ConfigError(ValueError):
     """The routing configuration is unusable; raised at start, never per request."""
 

@@ -269,9 +269,13 @@ class TestRedisDown:
     def test_routes_answer_503_quickly_or_from_postgres(
         self, servers: Restartable, sdk: openai.OpenAI, scene: Scene, route: str
     ) -> None:
-        """Reads Postgres serves alone still answer; every other route answers 503 with retry-after, and a create records nothing."""
+        """Reads Postgres serves alone still answer (a poll of a live background response too: its
+        row's word, the lease that says a worker holds it being out of reach); every other route
+        answers 503 with retry-after, and a create records nothing."""
         if route in {"retrieve", "input_items"}:
             assert ROUTES[route](sdk, scene)  # the Response, or a page of its input items
+            if route == "retrieve":
+                assert sdk.responses.retrieve(scene.live).id == scene.live
             return
         rows = row_count(servers)
         error = assert_503(lambda: ROUTES[route](sdk, scene))

@@ -158,8 +158,9 @@ def test_a_stream_whose_client_stops_reading_is_given_up(
                 timeout=60,
                 what="the abandoned response to be cancelled",
             )
-        else:
-            assert _responses_of(backing, model)[response_id] == "in_progress"
+        else:  # running on: its row is live, and a poll says a worker holds it
+            assert _responses_of(backing, model)[response_id] in {"queued", "in_progress"}
+            assert sdk.responses.retrieve(response_id).status == "in_progress"
         relayed = _read_to_end(sock)  # now it reads: what was relayed before the API gave up, then the close
     assert relayed.startswith(b"HTTP/1.1 200")
     assert b"response.created" in relayed

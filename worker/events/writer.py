@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError as RedisResponseError
 
-from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
+from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease
 from worker.events.stream import (
     AppendResult,
@@ -46,8 +46,7 @@ class ResponseWriter:
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
     per batch, not per chunk. Its appends are handed to the event log with a callback, not a task
-    and a future each (a token's append would cost both). A held writer (`hold`) appends nothing
-    until it may. `drain` waits for all of them; a failed
+    and a future each (a token's append would cost both). `drain` waits for all of them; a failed
     append is raised by the next `send` or `drain`.
     """
 
@@ -70,17 +69,7 @@ class ResponseWriter:
         self._retry_until = 0.0  # while an append meets an outage: until when it is tried again
         self._retry_delay = 0.0
         self._abandoned = False
-        self._gate: asyncio.Future[bool] | None = None  # while held: what says whether it may append
-        self._refused: NotStartedError | None = None  # the gate said no: raised once
         self._deferred = False  # appends only when waited on (`defer`)
-
-    def hold(self, gate: asyncio.Future[bool]) -> None:
-        """Append nothing until `gate` is done. If it says yes (True), what was sent meanwhile goes
-        at once; otherwise (False, an error, cancelled) it is dropped, and the next `send`, `drain`
-        or `emit` raises `NotStartedError`. An attempt that starts generating before Postgres has
-        started the response is held on that (DESIGN.md §2, step 2)."""
-        self._gate = gate
-        gate.add_done_callback(self._opened)
 
     def defer(self) -> None:
         """Append what is sent only when the writer is waited on (`drain`, `settle`, `emit`), or
@@ -92,25 +81,13 @@ class ResponseWriter:
         attempt loses between appends anyway, as the turn had not ended."""
         self._deferred = True
 
-    def _opened(self, gate: asyncio.Future[bool]) -> None:
-        if self._gate is not gate:
-            return
-        self._gate = None
-        if gate.cancelled() or gate.exception() is not None or not gate.result():
-            self._pending.clear()
-            self._refused = NotStartedError(self.lease.response_id)
-        elif self._pending and self._inflight is None and self._failure is None and not self._deferred:
-            self._submit()
-            return
-        self._wake()
-
     def send(self, events: list[dict[str, Any]]) -> None:
         """Append `events` after those sent before, without waiting (see `drain`)."""
         self._raise_failure()
         self._abandoned = False
         self._pending += events
         waits = self._deferred and len(self._pending) < DEFERRED_MOST
-        if self._inflight is None and self._gate is None and self._pending and not waits:
+        if self._inflight is None and self._pending and not waits:
             self._submit()
 
     async def drain(self) -> None:
@@ -122,34 +99,27 @@ class ResponseWriter:
         """Wait until what was sent is appended or an append fails, whatever it meets: then
         `next_sequence` is where the stream ends."""
         await self._landing()
-        self._failure = self._refused = None
+        self._failure = None
 
     async def abandon(self) -> None:
         """Stop appending what was sent (the attempt is over). An append already sent may still land:
         whoever writes next reads where the stream ends (`end_stream`)."""
         self._pending.clear()
         self._abandoned = True
-        self._failure = self._refused = None
-
-    def _raise_refusal(self) -> None:
-        if self._refused is not None:
-            refused, self._refused = self._refused, None
-            raise refused
+        self._failure = None
 
     def _raise_failure(self) -> None:
-        self._raise_refusal()
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
 
     async def _landing(self) -> None:
-        """Until the writer is not held and nothing is in flight (what was sent meanwhile included,
-        what a deferring writer keeps too)."""
+        """Until nothing is in flight (what was sent meanwhile included, what a deferring writer
+        keeps too)."""
         while True:
-            idle = self._gate is None and self._inflight is None and self._failure is None
-            if self._deferred and self._pending and idle:
+            if self._deferred and self._pending and self._inflight is None and self._failure is None:
                 self._submit()
-            if self._gate is None and self._inflight is None:
+            if self._inflight is None:
                 return
             if self._idle is None:
                 self._idle = asyncio.get_running_loop().create_future()
@@ -242,7 +212,6 @@ class ResponseWriter:
         long from then on (`expire_response`, in the same round trip); with `leaving`, it leaves its
         queue and its lease is given back in it too (`EventLog.append`)."""
         await self._landing()  # after what `send` has in flight
-        self._raise_refusal()
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds, leaving)
         self._counted(encoded)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, Literal, cast
 
 import orjson
@@ -159,15 +158,9 @@ SET status = '{Status.IN_PROGRESS}', attempt = %(new_attempt)s, started_at = now
 WHERE id = %(rid)s AND attempt < %(new_attempt)s AND status IN ({LIVE_STATUSES})
 RETURNING {_RETURNED}
 """
-# Whether it claimed the row, and whether the row was there at all (one the API is still inserting
-# is not yet: its create queues the response while it records it, DESIGN.md §2.1).
-_CLAIM_ATTEMPT = f"""
-WITH claimed AS ({_START_ATTEMPT.replace(f"RETURNING {_RETURNED}", "RETURNING 1")})
-SELECT EXISTS (SELECT 1 FROM claimed), EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)
-"""
 # An attempt's end is fenced (DESIGN.md §2.3) on no later attempt having claimed the row, which is
-# still live: `attempt <= n`, not `= n`, as a foreground response's first attempt does not claim its
-# row before it ends (attempt._run_ahead): its end claims it, in the same statement.
+# still live: `attempt <= n`, not `= n`, as a fresh response's first attempt does not claim its row
+# before it ends (attempt._run_ahead): its end claims it, in the same statement.
 _FENCED = f"id = %(rid)s AND attempt <= %(held_attempt)s AND status IN ({LIVE_STATUSES})"
 _MARK_FINISHED = f"""
 UPDATE response
@@ -274,23 +267,6 @@ async def start_attempt(conn: Connection, response_id: str, attempt: int) -> Sto
     return None if row is None else _stored(row)
 
 
-class Claim(StrEnum):
-    """What `claim_attempt` found."""
-
-    CLAIMED = "claimed"  # the row is `in_progress` under this attempt: it may run
-    REFUSED = "refused"  # the row is terminal, or a later attempt owns it
-    ABSENT = "absent"  # no row (yet: its create may still be inserting it)
-
-
-async def claim_attempt(conn: Connection, response_id: str, attempt: int) -> Claim:
-    """`start_attempt` for a worker that holds the row already (its ticket), in one statement."""
-    cursor = await (await driver(conn)).execute(_CLAIM_ATTEMPT, {"rid": response_id, "new_attempt": attempt})
-    row = await cursor.fetchone()
-    assert row is not None  # the statement returns one row
-    is_claimed, exists = row
-    return Claim.CLAIMED if is_claimed else Claim.REFUSED if exists else Claim.ABSENT
-
-
 # A ticket: a new row's columns that `StoredResponse` holds, for the worker that takes the
 # response (queue.ResponseQueue.enqueue), so that it need not wait for Postgres to read them.
 _TICKET_FIELDS = (
@@ -313,7 +289,8 @@ def ticket(row: dict[str, Any], max_bytes: int) -> bytes | None:
 
 
 def from_ticket(response_id: str, encoded: bytes, attempt: int) -> StoredResponse:
-    """What `start_attempt` reads of the row a ticket tells, once `claim_attempt` has moved it."""
+    """The row a ticket tells, as its first attempt runs it (`in_progress`, under `attempt`): its
+    end claims the row (attempt._run_ahead)."""
     fields = orjson.loads(encoded)
     response = {**fields.pop("response"), "status": Status.IN_PROGRESS.value}
     return StoredResponse(

@@ -20,7 +20,6 @@ from worker.errors import (
     CancelRequestedError,
     FencedOutError,
     MidStreamError,
-    NotStartedError,
     ToolError,
     UpstreamError,
     redact,
@@ -31,7 +30,7 @@ from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, term
 from worker.outages import patiently
 from worker.postgres import conversations, store
 from worker.protocol import compaction, items
-from worker.protocol.response import APPENDED, TERMINAL, Status, failed, finished
+from worker.protocol.response import APPENDED, LIVE, TERMINAL, Status, failed, finished
 from worker.queue import Started
 from worker.routing import Route, UpstreamApi
 from worker.runner import compacting, summary, tool_loop
@@ -140,7 +139,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
             stored = await store.get_response(conn, lease.response_id)
         await rt.log.flushed(lease)  # the broken attempt's last append, abandoned, may still be on its way
         last = await last_event(rt.redis, lease.response_id)
-        if stored is None or stored.status is not Status.IN_PROGRESS or last is None:
+        if stored is None or stored.status not in LIVE or last is None:
             return stored is None or stored.status in TERMINAL
         writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
         final = failed(
@@ -155,46 +154,26 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
 
 async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
     """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
-    call starts without waiting for Postgres (DESIGN.md §2, step 2).
+    call starts without waiting for Postgres (DESIGN.md §2, step 2), and its row is not moved first:
+    its end claims it, in the same statement that records it (`_finish`, fenced on no later attempt
+    having claimed it and on the row being live), waiting for a row its create is still inserting.
+    One statement a response less (issue 20): a foreground row is `in_progress` from its insert; a
+    background one says `queued` until its end, and a poll tells `in_progress` from the lease its
+    worker holds (`ResponseService.retrieve`, PROTOCOL.md §7: in progress is a worker's lease).
 
-    A background response may be cancelled while it waits in the queue: its row is moved to
-    `in_progress` under this attempt while the upstream call starts, nothing of it is appended
-    before (the writer is held), so a cancelled one tells no output, and the attempt records its
-    end only once the row has moved. Should Postgres refuse, what the upstream sent is dropped and
-    the stream ended as stored. The claim's statement goes once this has sent the upstream request
-    (its first wait): the request is on the first token's path, and the row its create is recording
-    meanwhile has that much longer to land.
-
-    A foreground one cannot be cancelled (only its client leaving, or its create failing, ends it
-    early: both raise the cancel flag the worker watches), and its row is `in_progress` from its
-    insert: its events go as they come, and its end claims the row in the same statement that
-    records it (`_finish`, fenced on no later attempt having claimed it), waiting for a row its
-    create is still inserting: one statement a response less (issue 20)."""
+    A background response cancelled while this starts (its cancel found it `queued` in Postgres)
+    stops at the cancel flag (its next append reports it, or the worker's watch of cancel flags),
+    and its end finds the row ended: the stream ends as stored. A foreground response not streamed
+    defers its appends (`ResponseWriter.defer`): its create waits for the terminal event alone."""
     row_wait_until = time.monotonic() + ROW_WAIT_SECONDS
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
-    claiming: asyncio.Future[bool] | None = None
-    if stored.background:
-        claiming = asyncio.ensure_future(_patiently(rt, partial(_claim, rt, lease)))
-        writer.hold(claiming)
-    elif not stored.stream:
-        writer.defer()  # its create waits for the terminal event alone
-    try:
-        final = await _produce(rt, writer, stored, stored.response, announced=False)
-    except NotStartedError:
-        final = None
-    except BaseException:
-        if claiming is not None:
-            claiming.cancel()
-        raise
-    if final is None:  # cancelled (its row ended, or never came), or refused: told as stored
-        if claiming is not None:
-            claiming.cancel()
+    if not stored.stream and not stored.background:
+        writer.defer()
+    final = await _produce(rt, writer, stored, stored.response, announced=False)
+    if final is None:  # cancelled: told as stored
         await _end_as_stored(rt, writer)
         return
-    if claiming is not None and not await claiming:
-        await _end_as_stored(rt, writer)
-        return
-    await _finish(rt, writer, stored, final, row_wait_until=None if claiming is not None else row_wait_until)
+    await _finish(rt, writer, stored, final, row_wait_until=row_wait_until)
 
 
 async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
@@ -539,29 +518,11 @@ async def _read(rt: Runtime, response_id: str) -> store.StoredResponse | None:
         return await store.get_response(conn, response_id)
 
 
-async def _claim(rt: Runtime, lease: Lease) -> bool:
-    """Whether the row moved to `in_progress` under this attempt (store.claim_attempt), waiting up to
-    `ROW_WAIT_SECONDS` for a row not there yet: its create queues a ticketed response while it
-    inserts the row (DESIGN.md §2.1). One that never comes was taken back (its create failed)."""
-    deadline = time.monotonic() + ROW_WAIT_SECONDS
-    pause = 0.0  # asked again at once, then after 1, 2, 4 ... 100 ms
-    while True:
-        async with rt.direct.connection() as conn:
-            claim = await store.claim_attempt(conn, lease.response_id, lease.attempt)
-        if claim is not store.Claim.ABSENT:
-            return claim is store.Claim.CLAIMED
-        if time.monotonic() >= deadline:
-            log.warning("response %s: no row came for its ticket; not running it", lease.response_id)
-            return False
-        await asyncio.sleep(pause)
-        pause = min(max(pause * 2, 0.001), 0.1)
-
-
 async def _when_the_row_is_there(
     rt: Runtime, response_id: str, record: Callable[[], Awaitable[bool]], until: float
 ) -> bool:
     """`record` (an end that claims the row), asked again while the row is not there yet, up to
-    `until`, as `_claim` waits for it; one that never comes was taken back (its create failed)."""
+    `until`; one that never comes was taken back (its create failed)."""
     pause = 0.0  # asked again at once, then after 1, 2, 4 ... 100 ms
     there = False
     while True:

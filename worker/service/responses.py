@@ -40,7 +40,7 @@ from worker.events.stream import (
     read_events,
 )
 from worker.ids import new_id
-from worker.keys import cancel_key, response_keys
+from worker.keys import cancel_key, lease_key, response_keys
 from worker.outages import is_postgres_outage, is_redis_outage
 from worker.outbound import OutboundPolicy
 from worker.postgres import conversations, direct, store
@@ -489,8 +489,16 @@ class ResponseService:
         return request, route, items
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
-        """The Response as it stands (PROTOCOL.md §6.3 polling)."""
-        return (await self._stored(owner, response_id)).response
+        """The Response as it stands (PROTOCOL.md §6.3 polling). A background response's row says
+        `queued` until it ends (its worker claims it in the statement that records its end,
+        attempt._run_ahead): while a worker holds its lease, it is `in_progress` (PROTOCOL.md §7,
+        in progress is a worker's lease). Should Redis not answer, the row's word is told."""
+        stored = await self._stored(owner, response_id)
+        if stored.status is Status.QUEUED:
+            with contextlib.suppress(RedisError):
+                if await self.redis.exists(lease_key(response_id)):
+                    return with_status(stored.response, Status.IN_PROGRESS)
+        return stored.response
 
     async def replay(self, owner: str, response_id: str, after: int) -> Stream:
         """The response's events after `after`, to relay (PROTOCOL.md §6.3): raises unless it

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from worker.errors import CancelRequestedError, FencedOutError, NotStartedError
+from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import AppendResult, Event, EventLog, Leaving, read_events
 from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
@@ -113,27 +113,6 @@ async def test_what_is_sent_while_an_append_is_in_flight_goes_in_the_next_one_me
     assert (log.landed, writer.next_sequence) == ([5, 6, 7], 8)
 
 
-async def test_a_held_writer_appends_nothing_until_its_gate_says_yes_then_all_at_once() -> None:
-    """Held (an attempt started before Postgres let it run), a writer keeps what is sent; a `drain`
-    waits for the gate; once it says yes, everything sent goes in one append, deltas merged."""
-    log = ScriptedLog()
-    writer = ResponseWriter(log, LEASE, next_sequence=2)  # type: ignore[arg-type]
-    gate: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    writer.hold(gate)
-    writer.send([{"type": "response.in_progress"}])
-    writer.send([_delta("a")])
-    draining = asyncio.create_task(writer.drain())
-    writer.send([_delta("b")])
-    await asyncio.sleep(0)
-    assert log.batches == [] and not draining.done()
-    gate.set_result(True)
-    await asyncio.sleep(0)
-    assert log.batches == [["response.in_progress", "ab"]]
-    log.answer()
-    await draining
-    assert (log.landed, writer.next_sequence) == ([2, 3], 4)
-
-
 async def test_a_deferring_writer_appends_what_was_sent_only_when_waited_on() -> None:
     """Deferring (a foreground response not streamed), a writer keeps what is sent, however many
     sends; a `drain` appends it all in one append, deltas merged, in order."""
@@ -178,31 +157,6 @@ async def test_a_deferring_writer_appends_once_enough_waits() -> None:
     assert log.batches == []
     writer.send([{"type": "response.output_item.added", "output_index": DEFERRED_MOST}])
     assert [len(batch) for batch in log.batches] == [DEFERRED_MOST]
-
-
-@pytest.mark.parametrize("refusal", ["no", "error"])
-async def test_a_held_writer_whose_gate_says_no_drops_what_was_sent_and_says_so_once(refusal: str) -> None:
-    """A gate that says no (Postgres refused the attempt, or could not be reached): nothing sent
-    is appended; the next `send` (or `drain`, `emit`) raises `NotStartedError`, once; afterwards the
-    writer appends again (the stream is ended as stored)."""
-    log = ScriptedLog()
-    writer = ResponseWriter(log, LEASE, next_sequence=2)  # type: ignore[arg-type]
-    gate: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    writer.hold(gate)
-    writer.send([{"type": "response.in_progress"}, _delta("a")])
-    draining = asyncio.create_task(writer.drain())
-    if refusal == "no":
-        gate.set_result(False)
-    else:
-        gate.set_exception(ConnectionRefusedError("Postgres is away"))
-    with pytest.raises(NotStartedError):
-        await draining
-    assert log.batches == []
-    writer.send([_delta("b")])  # raised once
-    emitting = asyncio.create_task(writer.emit([{"type": "response.failed"}], final=True))
-    log.answer()
-    await emitting
-    assert log.batches == [["b"]] and log.landed == [2, 3] and writer.next_sequence == 4
 
 
 async def test_a_fenced_append_is_raised_once_and_what_waited_is_not_sent() -> None:

@@ -173,37 +173,32 @@ async def test_a_response_is_inserted_started_and_finished_through_either_connec
         await engine.dispose()
 
 
-async def test_a_ticket_tells_what_starting_the_attempt_reads_and_a_claim_takes_it(pool: DirectPool) -> None:
-    """A worker holding a response's ticket knows the row as `start_attempt` would read it; its
-    claim moves the row as the start does, and no second claim of that attempt (or an older one)
-    succeeds; a claim of a row not there (yet) says so. A ticket over its size bound is not made."""
-    tickets = {}
+async def test_a_ticket_tells_what_starting_the_attempt_reads(pool: DirectPool) -> None:
+    """A worker holding a response's ticket knows the row as `start_attempt` would read it. A
+    ticket over its size bound is not made."""
+    response_id = "resp_ticket_started"
     async with pool.connection() as conn:
-        for response_id in ("resp_ticket_started", "resp_ticket_claimed"):
-            row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued", "n": 1.5}}
-            await store.insert_response(conn, row, len(row["conversation"]))
-            ticket = store.ticket(row, 4096)
-            assert ticket is not None and store.ticket(row, len(ticket) - 1) is None
-            tickets[response_id] = ticket
-        started = await store.start_attempt(conn, "resp_ticket_started", 3)
-        assert started == store.from_ticket("resp_ticket_started", tickets["resp_ticket_started"], 3)
-        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2) is store.Claim.CLAIMED
-        assert await store.claim_attempt(conn, "resp_ticket_claimed", 2) is store.Claim.REFUSED
-        assert await store.claim_attempt(conn, "resp_ticket_claimed", 1) is store.Claim.REFUSED
-        assert await store.claim_attempt(conn, "resp_ticket_absent", 1) is store.Claim.ABSENT
-        claimed = await store.get_response(conn, "resp_ticket_claimed")
-        assert claimed == store.from_ticket("resp_ticket_claimed", tickets["resp_ticket_claimed"], 2)
+        row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued", "n": 1.5}}
+        await store.insert_response(conn, row, len(row["conversation"]))
+        ticket = store.ticket(row, 4096)
+        assert ticket is not None and store.ticket(row, len(ticket) - 1) is None
+        started = await store.start_attempt(conn, response_id, 3)
+        assert started == store.from_ticket(response_id, ticket, 3)
 
 
-async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_did(pool: DirectPool) -> None:
-    """A foreground response's first attempt records its end without having claimed its row (the
-    end claims it); an attempt's end after a later attempt claimed the row is refused."""
+@pytest.mark.parametrize("status", ["in_progress", "queued"])
+async def test_an_end_claims_a_row_no_attempt_claimed_and_is_fenced_by_one_that_did(
+    pool: DirectPool, status: str
+) -> None:
+    """A fresh response's first attempt records its end without having claimed its row (the end
+    claims it), whether the row says `in_progress` (a foreground one) or `queued` (a background one);
+    an attempt's end after a later attempt claimed the row is refused."""
     final = {"status": "completed"}
-    unclaimed, taken_over = "resp_direct_unclaimed", "resp_direct_taken_over"
+    unclaimed, taken_over = f"resp_direct_unclaimed_{status}", f"resp_direct_taken_over_{status}"
     async with pool.connection() as conn:
         for response_id in (unclaimed, taken_over):
-            row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "in_progress"}}
-            await store.insert_response(conn, {**row, "status": "in_progress"}, len(row["conversation"]))
+            row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": status}}
+            await store.insert_response(conn, {**row, "status": status}, len(row["conversation"]))
         assert await store.mark_finished(conn, unclaimed, 1, {**final, "id": unclaimed})
         assert await store.start_attempt(conn, unclaimed, 2) is None  # ended: nothing to take over
         assert await store.start_attempt(conn, taken_over, 2) is not None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
+import orjson
 import psutil
 import psycopg
 import pytest
@@ -113,12 +115,13 @@ def test_a_response_popped_by_a_worker_killed_before_it_read_its_start_is_run(la
     assert doomed not in queue.workers()
 
 
-def test_a_response_cancelled_after_its_worker_popped_it_appends_nothing_from_its_ticket(lab: Lab) -> None:
+def test_a_response_cancelled_after_its_worker_popped_it_stops_at_the_cancel_flag(lab: Lab) -> None:
     """A worker frozen inside its pops is handed a response, started on its behalf with its ticket
     (the row as recorded), and the response is cancelled before the worker thaws: Postgres records
-    the cancel; the queue no longer holds it to remove. Thawed, the worker starts it from its ticket, calling the upstream
-    while Postgres refuses the attempt: nothing the upstream sent reaches the stream, which ends as
-    the cancelled row."""
+    the cancel (the row said `queued`: a background row is claimed by its end, attempt._run_ahead);
+    the queue no longer holds it to remove. Thawed, the worker starts it from its ticket: its first
+    append reports the cancel flag, the upstream call is dropped before the upstream's text ends,
+    and the stream ends as the cancelled row."""
     model = "ticket-cancelled"
     lab.upstream.script(model, {"text": "never told " * 4, "delay": 0.2})
     popper = lab.start("popper", _over_tcp(lab))
@@ -131,7 +134,10 @@ def test_a_response_cancelled_after_its_worker_popped_it_appends_nothing_from_it
     wait_for(lambda: lab.upstream.requests(model), timeout=30, what="the upstream called from the ticket")
     wait_for(lambda: _has_ended(lab.redis, response_id), timeout=30, what="the stream ended")
     types = [fields[b"t"].decode() for _, fields in lab.redis.xrange(events_key(response_id))]
-    assert types == ["response.created", "response.queued", "response.failed"]
+    assert types[:2] == ["response.created", "response.queued"] and types[-1] == "response.failed"
+    assert "response.output_text.done" not in types  # stopped before the upstream's text ended
+    (_, last), *_ = lab.redis.xrevrange(events_key(response_id), count=1)
+    assert orjson.loads(last[b"d"])["response"]["status"] == "cancelled"
     assert lab.redis.exists(ticket_key(response_id)) == 0
     stored = check_ended(lab.sdk, response_id)
     assert (stored["status"], stored["output"]) == ("cancelled", [])
@@ -149,8 +155,10 @@ def _has_ended(redis: Redis, response_id: str) -> bool:
 @pytest.mark.parametrize("ticketed", [True, False], ids=["ticket", "no-ticket"])
 def test_a_queued_response_whose_row_was_taken_back_runs_nowhere(lab: Lab, ticketed: bool) -> None:
     """A create whose enqueue timed out after Redis had run it takes its row back (the API's side:
-    tests/api/test_outages.py): the queue holds a response with no row. The worker that takes it,
-    from its ticket or not, runs nothing, lets the queue drop it, and leaves its keys to expire."""
+    tests/api/test_outages.py): the queue holds a response with no row. The worker that takes it
+    records nothing, lets the queue drop it, and leaves its keys to expire: without a ticket it runs
+    nothing (its start finds no row); with one it has called the upstream at once (as a foreground
+    response does), and its end, which waits for the row, finds none: its stream tells no end."""
     request = parse_create_request({"model": lab.model, "input": "taken back", "background": True})
     response_id = new_id("resp")
     response = build_response(request, response_id, int(time.time()), Status.QUEUED)
@@ -168,15 +176,18 @@ def test_a_queued_response_whose_row_was_taken_back_runs_nowhere(lab: Lab, ticke
     wait_for(lambda: lab.redis.ttl(events_key(response_id)) > 0, timeout=30, what="its keys left to expire")
     assert response_id not in QueueView(lab.redis, queue_name).held()
     assert lab.redis.exists(queued_key(response_id), ticket_key(response_id)) == 0
-    assert [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))] == [b"response.created"]
+    told = [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))]
+    assert told[0] == b"response.created" and not _has_ended(lab.redis, response_id)
+    assert (told == [b"response.created"]) == (not ticketed)
+    with pytest.raises(openai.NotFoundError):
+        lab.sdk.responses.retrieve(response_id)
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_a_ticketed_response_taken_before_its_row_landed_waits_for_it(lab: Lab, background: bool) -> None:
     """A create queues a ticketed response while it inserts the row (DESIGN.md §2.1): a worker that
-    takes it first calls the upstream at once and records the end only after the row came and it
-    claimed it; a background one tells nothing before that (it may have been cancelled meanwhile),
-    a foreground one streams as the upstream answers."""
+    takes it first calls the upstream at once, streams as the upstream answers, and records the
+    end only once the row came (the end claims it): no terminal event before."""
     lab.upstream.script(lab.model, {"text": "late but whole"})
     body = {"model": lab.model, "input": "row comes late", "background": background, "stream": True}
     request = parse_create_request(body)
@@ -199,9 +210,9 @@ def test_a_ticketed_response_taken_before_its_row_landed_waits_for_it(lab: Lab, 
     lab.start(f"early-{background}")
     asyncio.run(enqueue())
     wait_for(lambda: lab.upstream.requests(lab.model), timeout=30, what="the upstream called before the row")
-    time.sleep(1.0)  # the claim meets no row meanwhile (it is asked again and again)
+    time.sleep(1.0)  # the end meets no row meanwhile (it is asked again and again)
     told = [fields[b"t"] for _, fields in lab.redis.xrange(events_key(response_id))]
-    assert (told == [b"response.created"]) == background
+    assert b"response.output_text.delta" in told and not _has_ended(lab.redis, response_id)
     asyncio.run(insert())
     wait_for(lambda: _has_ended(lab.redis, response_id), timeout=30, what="the response to end")
     stored = lab.sdk.responses.retrieve(response_id)
