@@ -116,6 +116,18 @@ async def _outage(request: Request, exc: Exception) -> Response:
     return error_response(unavailable, _retry_after(request))
 
 
+async def answer_for(app: FastAPI, request: Request, exc: Exception) -> Response:
+    """What the app answers for `exc` raised by a route: its handler's answer (`install`), found
+    by the exception's class as Starlette's exception middleware finds it, or the 500 of an
+    unexpected error (`RequestIdMiddleware`). For a route served past the middleware (api/polls.py)."""
+    for cls in type(exc).__mro__:
+        handler = app.exception_handlers.get(cls)
+        if handler is not None:
+            answer = handler(request, exc)  # every handler `install` adds is a coroutine
+            return answer if isinstance(answer, Response) else await answer
+    return await _unexpected(request, exc)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(RespoolError("The server had an error while processing your request."))

@@ -50,6 +50,7 @@ SCENARIOS = {
     "bg": ("bg", 16, 400, 8, 0),
     "bg1s": ("bg", 64, 400, 8, 1000),  # each polled once, a second on (pace: the poll interval, ms)
     "poll": ("poll", 16, 2000, 8, 0),  # polls of one ended response (what a poll costs)
+    "poll10k": ("poll", 16, 10000, 8, 0),  # for --spy
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
 }
@@ -132,6 +133,7 @@ def read_all(build: Build, servers: dict[str, psutil.Process], r: redis.Redis) -
     out["redis.calls"] = float(sum(v["calls"] for v in stats_.values()))
     for command, value in stats_.items():
         out["cmd." + command.removeprefix("cmdstat_")] = float(value["calls"])
+        out["usec." + command.removeprefix("cmdstat_")] = float(value["usec"])
     out["at"] = time.monotonic()
     return out
 
@@ -283,6 +285,18 @@ async def main_async(args: argparse.Namespace) -> None:
                     print(
                         "        "
                         + "  ".join(f"{command} {count:.2f}" for count, command in counts if count >= 0.01)
+                    )
+                    spent = sorted(
+                        (
+                            (value / units * _scale(name) / 1e6, key[5:])
+                            for key, value in medians[build.name].items()
+                            if key.startswith("usec.")
+                        ),
+                        reverse=True,
+                    )
+                    print(  # Redis's own time in each command (a script's includes its calls')
+                        "        time: "
+                        + "  ".join(f"{command} {spent_:.1f}" for spent_, command in spent[:8] if spent_ > 0)
                     )
             a, b = _total(name, medians["A"]), _total(name, medians["B"])
             print(f"{name:6} B/A: {b / a:.3f}" if a else "")

@@ -96,6 +96,9 @@ def test_requests_past_the_rate_are_429_on_every_replica(replicas: tuple[Stack, 
         assert served >= RATE  # the whole minute may be spent at once
         _assert_rate_limited(refusal)
         _assert_rate_limited(http.get(f"{two}/v1/models", headers=_auth("rate-a")))
+        _assert_rate_limited(
+            http.get(f"{two}/v1/responses/resp_polled", headers=_auth("rate-a"))
+        )  # api/polls.py
         assert http.get(f"{two}/v1/models", headers=_auth("other")).status_code == 200
         assert http.get(f"{two}/metrics").status_code == 200
 
