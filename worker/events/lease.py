@@ -7,11 +7,12 @@ fencing token every later write is checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from redis.asyncio import Redis
 
-from worker.keys import attempt_key, events_key, lease_key
+from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
 
 # KEYS: lease, attempt, events. ARGV: holder, ttl ms. Returns {the new attempt, the stream's newest
 # entry as XREVRANGE gives it (none: an empty list)}, or {0} while another holder is alive. Only a
@@ -51,9 +52,18 @@ class Lease:
     attempt: int
     holder: str
 
-    @property
+    @cached_property
     def value(self) -> str:
         return f"{self.attempt}:{self.holder}"
+
+    @cached_property
+    def appended(self) -> tuple[bytes, ...]:
+        """What every append under this lease names (stream.EventLog): the response's lease, events,
+        cancel, attempt and observed keys, and the lease's value, encoded once for all of them (a
+        token's append built and encoded them afresh)."""
+        rid = self.response_id
+        keys = (lease_key(rid), events_key(rid), cancel_key(rid), attempt_key(rid), observed_key(rid))
+        return (*(key.encode() for key in keys), self.value.encode())
 
 
 class Leases:

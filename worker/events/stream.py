@@ -343,15 +343,20 @@ class EventLog:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS
         round trip each time), on the log's own connection (`HeldConnection`); an append that
         failed is its exception in the list."""
-        keys: list[str] = []
+        keys: list[str | bytes] = []
         args: list[str | bytes | int] = []
         for lease, events, retain_seconds, leaving, _ in batch:
-            rid = lease.response_id
-            keys += (lease_key(rid), events_key(rid), cancel_key(rid), attempt_key(rid), observed_key(rid))
+            appended = lease.appended
+            keys += appended[:5]
             if leaving is not None:
                 keys += leaving
-            args += (lease.value, len(events), retain_seconds, rid if leaving is not None else "")
+            args += (
+                appended[5],
+                len(events),
+                retain_seconds,
+                lease.response_id if leaving is not None else "",
+            )
             for event in events:
-                args += (entry_id(event.sequence_number), event.type, event.data)
+                args += (b"0-%d" % (event.sequence_number + 1), event.type, event.data)  # entry_id's
         results: list[Any] = await self._connection.command("EVALSHA", self._sha, len(keys), *keys, *args)
         return results
