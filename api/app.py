@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from api import errors, openapi, polls
+from api import errors, hot, openapi
 from api.auth import Keys
 from api.encoding import JSONAnswer
 from api.limits import BodyLimitMiddleware
@@ -27,17 +27,17 @@ log = logging.getLogger("respool.api")
 class RespoolApp(FastAPI):
     """The app, handing an HTTP request's scope the server's own `send` (`SERVER_SEND`): an event
     stream writes its body frames there, past the middleware's wrappers (api/sse.py). A plain poll
-    is answered past the framework (api/polls.py)."""
+    and a create are served past the framework's routing (api/hot.py)."""
 
-    metrics: ApiMetrics
+    hot: hot.HotRoutes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            response_id = polls.polled_id(scope)
-            if response_id is not None:
-                await polls.poll(self, self.metrics, scope, receive, send, response_id)
-                return
             scope[SERVER_SEND] = send
+            handler = self.hot.handler(scope)
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -69,10 +69,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app, settings.retry_after_seconds)
     metrics = ApiMetrics()
-    app.metrics = metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(router)
     app.include_router(websockets)
+    app.hot = hot.HotRoutes(app, metrics, settings)
     openapi.install(app, secured=not keys.is_open)
 
     _install_operations(app, metrics)
