@@ -251,7 +251,7 @@ class ResponseService:
 
     async def _unqueue(self, response_id: str, enqueuing: asyncio.Future[None]) -> None:
         """Take a response whose row could not be inserted out of the queue, with its keys; a worker
-        that took it already is stopped by the cancel flag (its claim finds no row: it records
+        that took it already is stopped by the cancel flag (its end finds no row: it records
         nothing). A row an outage may have committed unseen is deleted."""
         try:
             await enqueuing
