@@ -229,6 +229,13 @@ class ResponseQueue:
         )
         return None if popped is None else _decoded(popped)
 
+    async def load_scripts(self) -> None:
+        """Load the start that `take_started` pipelines behind its pop, before the first take: a
+        Redis that lacks it (new, or restarted) answers that start NOSCRIPT, and the response the pop
+        took is started only when the worker reads that and asks again (`EVAL`), where a frozen or
+        dead worker never does (its response then waits for the sweep to find its dead taker)."""
+        await self.redis.script_load(_START_POPPED)
+
     async def take_started(
         self, blocking: AsyncRedis, leases: Leases, worker: str, timeout_seconds: float
     ) -> tuple[str, Started | None] | None:

@@ -258,6 +258,7 @@ class ResponseWorker(BaseWorker):
         # Known to the queue before taking anything: what a dead worker had taken goes back only
         # once the queue knows of the worker.
         await patiently(partial(queue.renew, [], self.name, self._alive_seconds), math.inf)
+        await patiently(queue.load_scripts, math.inf)
         while not self._closing.is_set():
             await self._response_slots.acquire()
             try:
