@@ -119,7 +119,7 @@ async def _outage(request: Request, exc: Exception) -> Response:
 async def answer_for(app: FastAPI, request: Request, exc: Exception) -> Response:
     """What the app answers for `exc` raised by a route: its handler's answer (`install`), found
     by the exception's class as Starlette's exception middleware finds it, or the 500 of an
-    unexpected error (`RequestIdMiddleware`). For a route served past the middleware (api/polls.py)."""
+    unexpected error (`RequestIdMiddleware`). For a route served past the framework (api/hot.py)."""
     for cls in type(exc).__mro__:
         handler = app.exception_handlers.get(cls)
         if handler is not None:

@@ -98,7 +98,7 @@ def test_requests_past_the_rate_are_429_on_every_replica(replicas: tuple[Stack, 
         _assert_rate_limited(http.get(f"{two}/v1/models", headers=_auth("rate-a")))
         _assert_rate_limited(
             http.get(f"{two}/v1/responses/resp_polled", headers=_auth("rate-a"))
-        )  # api/polls.py
+        )  # api/hot.py
         assert http.get(f"{two}/v1/models", headers=_auth("other")).status_code == 200
         assert http.get(f"{two}/metrics").status_code == 200
 
