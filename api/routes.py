@@ -44,13 +44,13 @@ def _service(request: Request) -> ResponseService:
     return service
 
 
-async def _count_request(request: Request, owner: Owner) -> None:
+async def count_request(request: Request, owner: Owner) -> None:
     """Every /v1 request counts against its owner's rate (`RESPOOL_RATE_LIMIT_PER_MINUTE`), before
     its body is read."""
     await _service(request).quotas.check_rate(owner)
 
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(_count_request)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(count_request)])
 
 
 async def _json_body(request: Request) -> Any:
