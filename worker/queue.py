@@ -200,8 +200,9 @@ class ResponseQueue:
         try:
             await bare_command(self.redis, "EVALSHA", _ENQUEUE_SHA, len(keys), *keys, *args)
         except NoScriptError:  # a Redis that restarted (or flushed its scripts) ran nothing of it
-            await self.redis.script_load(_ENQUEUE)
-            await bare_command(self.redis, "EVALSHA", _ENQUEUE_SHA, len(keys), *keys, *args)
+            # Sent whole (EVAL), not loaded then asked for again: scripts flushed between the two
+            # would fail the create (seen where test sessions share a Redis that one flushes).
+            await bare_command(self.redis, "EVAL", _ENQUEUE, len(keys), *keys, *args)
 
     async def depth(self) -> int:
         """How many responses wait for a worker."""

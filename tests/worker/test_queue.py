@@ -157,6 +157,8 @@ async def test_a_take_that_starts_leases_what_it_popped_in_the_same_round_trip(
     await redis.delete(lease_key(second), f"respool:{{{first}}}:attempt", f"respool:{{{first}}}:events")
 
 
+# It flushes the scripts of the Redis it runs on: never one that other sessions share (CI's second phase).
+@pytest.mark.once
 async def test_a_redis_that_forgot_its_scripts_still_queues_starts_and_finishes(
     redis: Redis, queue: ResponseQueue, popper: Redis
 ) -> None:

@@ -326,8 +326,7 @@ class EventLog:
             try:
                 results = await self._execute(batch)
             except NoScriptError:  # a Redis that restarted (or flushed its scripts) ran none of them
-                await self.redis.script_load(_FENCED_APPEND)
-                results = await self._execute(batch)
+                results = await self._execute(batch, whole=True)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
         for (_, events, _, _, done), result in zip(batch, results, strict=True):
@@ -339,7 +338,7 @@ class EventLog:
             except Exception:  # one writer's fault must not cost the rest of the batch their outcomes
                 log.exception("telling an append's outcome failed")
 
-    async def _execute(self, batch: list[_Append]) -> list[Any]:
+    async def _execute(self, batch: list[_Append], whole: bool = False) -> list[Any]:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS
         round trip each time), on the log's own connection (`HeldConnection`); an append that
         failed is its exception in the list."""
@@ -358,5 +357,8 @@ class EventLog:
             )
             for event in events:
                 args += (b"0-%d" % (event.sequence_number + 1), event.type, event.data)  # entry_id's
-        results: list[Any] = await self._connection.command("EVALSHA", self._sha, len(keys), *keys, *args)
+        # `whole`: the script sent itself (EVAL), after a NOSCRIPT; not loaded then asked for again,
+        # which scripts flushed in between would fail.
+        script = ("EVAL", _FENCED_APPEND) if whole else ("EVALSHA", self._sha)
+        results: list[Any] = await self._connection.command(*script, len(keys), *keys, *args)
         return results
