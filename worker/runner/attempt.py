@@ -7,11 +7,10 @@ Postgres is the authority: the terminal event follows the commit, and a cancel r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -36,7 +35,7 @@ from worker.routing import Route, UpstreamApi
 from worker.runner import compacting, summary, tool_loop
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.runtime import RunEnd, Runtime
-from worker.runner.upstream import RESPONSES_STREAM, stream_json
+from worker.runner.upstream import RESPONSES_STREAM, Call, stream_into
 from worker.translation import chat_request, chat_stream, native, output, replay
 from worker.translation.chat_tools import ServerTool
 
@@ -373,10 +372,10 @@ async def _native_turn(
     """One turn of a Responses upstream: its events told into `out` (the response's output so far)."""
     native_state = native.start_stream(out, server_tools)
     body = native.to_responses_request(request, conversation, model, server_tools)
-    events = stream_json(rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
+    call = partial(stream_into, rt.http, route, "/responses", body, rt.retry, RESPONSES_STREAM)
     translate = partial(native.translate_event, native_state)
     finish = partial(native.finish_stream, native_state)
-    return await _translate(writer, events, translate, finish, native_state.output)
+    return await _translate(writer, call, translate, finish, native_state.output)
 
 
 async def _chat_turn(
@@ -393,14 +392,10 @@ async def _chat_turn(
     options = chat_request.stream_options(request, server_tools)
     chat_state = chat_stream.start_stream(**options, output=out)
     body = chat_request.to_chat_request(request, conversation, model, server_tools)
-    chunks = _chat_chunks(rt, route, body)
+    call = summary.chat_call(rt.http, route, body, rt.retry, rt.synthetic_delay_seconds)
     translate = partial(chat_stream.translate_chunk, chat_state)
     finish = partial(chat_stream.finish_stream, chat_state)
-    return await _translate(writer, chunks, translate, finish, chat_state.output)
-
-
-def _chat_chunks(rt: Runtime, route: Route, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
-    return summary.chat_chunks(rt.http, route, body, rt.retry, rt.synthetic_delay_seconds)
+    return await _translate(writer, call, translate, finish, chat_state.output)
 
 
 Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
@@ -408,22 +403,24 @@ Finish = Callable[[], tuple[list[dict[str, Any]], chat_stream.Outcome]]
 
 async def _translate(
     writer: ResponseWriter,
-    payloads: AsyncGenerator[dict[str, Any]],
+    call: Call,
     translate: Callable[[dict[str, Any]], list[dict[str, Any]]],
     finish: Finish,
     out: output.Output,
 ) -> chat_stream.Outcome:
     """Append the events of every upstream payload, then the closing ones; the outcome.
 
-    The next payload is read while the last one's events are being appended (`ResponseWriter.send`).
+    Each payload is translated and its events sent as it comes, in the upstream call's own callback
+    (`stream_into`); the next ones are read while they are being appended (`ResponseWriter.send`).
     An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
-    However the loop ends (a cancel, a fence), the upstream call is closed at once, not when the
-    garbage collector gets to it.
+    However the call ends (a cancel, a fence the writer raises), the upstream call is closed at once.
     """
+
+    def consume(payload: dict[str, Any]) -> None:
+        writer.send(translate(payload))
+
     try:
-        async with contextlib.aclosing(payloads):
-            async for payload in payloads:
-                writer.send(translate(payload))
+        await call(consume)
         events, outcome = finish()
     except UpstreamError as exc:
         await writer.drain()

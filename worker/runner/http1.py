@@ -62,6 +62,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False  # of the answer under way
         self.keeps_alive = False
         self.fault: Exception | None = None
+        self.sink: Callable[[bytes], None] | None = None  # takes the body's chunks as they come (`Body.push`)
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -116,6 +117,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self._then is not None:  # drained: what is left of an answer read to its logical end
+            return
+        sink = self.sink
+        if sink is not None:  # pushed (`Body.push`): no buffer, no wake-up
+            sink(body)
             return
         self._chunks.append(body)
         self._buffered += len(body)
@@ -176,6 +181,11 @@ class _Connection(asyncio.Protocol):
             if self.fault is not None:
                 raise self.fault
             await self._wait()
+        return self.take()
+
+    def take(self) -> bytes:
+        """All of the body that has come and waits to be read (b"" if none); reading goes on if it
+        had paused for it."""
         if len(self._chunks) == 1:
             chunk = self._chunks.popleft()
         else:
@@ -186,6 +196,10 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return chunk
+
+    async def until_woken(self) -> None:
+        """Until the answer ends, or fails, or whoever pushes its body to a sink asks (`wake`)."""
+        await self._wait()
 
     def close(self) -> None:
         self.is_closed = True
@@ -203,10 +217,24 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
 
+    def wake(self) -> None:
+        """Wake the task waiting on this connection (`until_woken`)."""
+        self._wake()
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class _Stop:
+    """Whether a pushed body's feed said stop, or raised."""
+
+    __slots__ = ("done", "raised")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.raised: BaseException | None = None
 
 
 class Body(httpx2.AsyncByteStream):
@@ -241,6 +269,43 @@ class Body(httpx2.AsyncByteStream):
         if chunk is None:
             self._done()
         return chunk
+
+    async def push(self, feed: Callable[[bytes], bool]) -> bool:
+        """Hand the body's chunks to `feed` as they come, from the connection's own callback: no task
+        wakes up, and no future is made, for a chunk (a token, streamed), where a read a chunk took both
+        (issue 20). Until the body ends (True), or `feed` answers True (False: stop here; the rest of
+        the answer is the caller's to drain or close), or raises (raised here); faults as `read`'s.
+        No read timeout: the caller bounds the silence (worker/runner/upstream.py's `_Silence`)."""
+        connection = self._connection
+        chunk = connection.take()
+        if chunk and feed(chunk):  # what came with the headers, or before
+            return False
+        stop = _Stop()
+
+        def deliver(chunk: bytes) -> None:
+            try:
+                stop.done = feed(chunk)
+            except BaseException as exc:
+                stop.raised, stop.done = exc, True
+            if stop.done:
+                connection.sink = None
+                connection.wake()
+
+        connection.sink = deliver
+        try:
+            while True:
+                if stop.raised is not None:
+                    raise stop.raised
+                if stop.done:
+                    return False
+                if connection.is_complete:
+                    self._done()
+                    return True
+                if connection.fault is not None:
+                    raise connection.fault
+                await connection.until_woken()
+        finally:
+            connection.sink = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while (chunk := await self.read()) is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx2
@@ -21,7 +22,16 @@ from worker.errors import UpstreamError
 from worker.protocol import compaction
 from worker.routing import Route, UpstreamApi
 from worker.runner.synthetic import synthetic_chunks
-from worker.runner.upstream import CHAT_STREAM, RESPONSES_STREAM, RetryPolicy, post_json, stream_json
+from worker.runner.upstream import (
+    CHAT_STREAM,
+    RESPONSES_STREAM,
+    Call,
+    RetryPolicy,
+    consume_all,
+    post_json,
+    stream_into,
+    stream_json,
+)
 from worker.translation import chat_request, chat_stream, native
 
 log = logging.getLogger("respool.runner")
@@ -33,6 +43,16 @@ _FAILED = ("response.failed", "error")
 class Summary:
     text: str
     usage: dict[str, Any] | None  # the summary call's, in the Responses shape
+
+
+def chat_call(
+    http: httpx2.AsyncClient, route: Route, body: dict[str, Any], retry: RetryPolicy, synthetic_delay: float
+) -> Call:
+    """A chat route's streamed call for `body`, handing each chunk to the consumer it is given: the
+    synthetic model's, or its upstream's (`stream_into`)."""
+    if route.api is UpstreamApi.SYNTHETIC:
+        return partial(consume_all, synthetic_chunks(body, synthetic_delay))
+    return partial(stream_into, http, route, "/chat/completions", body, retry, CHAT_STREAM)
 
 
 def chat_chunks(

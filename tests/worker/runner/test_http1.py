@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from worker.errors import TransientUpstreamError
 from worker.routing import Route, UpstreamApi
 from worker.runner import http1
-from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_json
+from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_into, stream_json
 
 NO_RETRIES = RetryPolicy(retries=0)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -35,7 +36,8 @@ def _sse(*words: str) -> bytes:
 class Peer:
     """A model server's HTTP/1.1, answering each request by `answer` (request number, from 1)."""
 
-    # chunked | gzip | refuse | drop_second | close_after | end_later | end_never | until_close
+    # chunked | gzip | refuse | drop_second | close_after | end_later | end_never | until_close |
+    # trickle | trickle_never
     answer: str = "chunked"
     connections: int = 0
     open_now: int = 0
@@ -55,6 +57,15 @@ class Peer:
                 if self.answer == "drop_second" and len(self.requests) == 2:
                     return  # closes without answering, as a server closing an idle connection
                 await asyncio.sleep(0.05)  # long enough for a second call to overlap this one
+                if self.answer in ("trickle", "trickle_never"):  # a frame a chunk, 20 ms apart
+                    for piece in _trickled(ended=self.answer == "trickle"):
+                        writer.write(piece)
+                        await writer.drain()
+                        await asyncio.sleep(0.02)
+                    if self.answer == "trickle_never":
+                        await reader.read()  # until the client gives up and closes
+                        return
+                    continue
                 answer = _answer(self.answer)
                 if self.answer in ("end_later", "end_never"):  # its last chunk a moment later, or never
                     last = answer.rindex(b"0\r\n\r\n")
@@ -108,6 +119,13 @@ def _answer(how: str) -> bytes:
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     chunks = [body[:40], body[40:]]  # one frame split across two chunks
     return head + b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks) + b"0\r\n\r\n"
+
+
+def _trickled(*, ended: bool) -> list[bytes]:
+    """A chunked answer's head, then each SSE frame of it a chunk of its own; its last chunk if `ended`."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    frames = [frame + b"\n\n" for frame in _sse("one ", "two").split(b"\n\n") if frame]
+    return [head, *(b"%x\r\n%s\r\n" % (len(frame), frame) for frame in frames)] + [b"0\r\n\r\n"] * ended
 
 
 @pytest.fixture
@@ -235,5 +253,89 @@ async def test_a_port_nobody_listens_on_is_a_transient_connect_fault(peer: Peer)
             TransientUpstreamError, match=r"could not connect to the upstream at http://127\.0\.0\.1:1/"
         ):
             await _words(client, closed)
+    finally:
+        await client.aclose()
+
+
+async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_time(peer: Peer) -> None:
+    """Each frame comes 20 ms after the last: each payload reaches the consumer as its frame comes
+    (pushed from the connection's callback), before the next one is sent."""
+    peer.answer = "trickle"
+    client = create_client(60, 4)
+    route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
+    came: list[tuple[float, dict[str, Any]]] = []
+    loop = asyncio.get_running_loop()
+    try:
+        await stream_into(
+            client,
+            route,
+            "/chat/completions",
+            BODY,
+            NO_RETRIES,
+            CHAT_STREAM,
+            lambda p: came.append((loop.time(), p)),
+        )
+        await asyncio.sleep(0.1)  # its last chunk comes 20 ms after its [DONE]: drained, then kept
+        assert await _words(client, peer) == ANSWER
+    finally:
+        await client.aclose()
+    assert [payload["choices"][0]["delta"].get("content") for _, payload in came] == ["one ", "two", None]
+    assert all(later - earlier >= 0.01 for (earlier, _), (later, _) in itertools.pairwise(came))
+    assert peer.connections == 1
+
+
+class _Refused(Exception):
+    pass
+
+
+async def test_a_consumer_that_raises_ends_the_call_with_what_it_raised(peer: Peer) -> None:
+    """The consumer raises at the first word (a writer fenced out, say) while the answer still comes:
+    that exception, as raised, not an upstream fault and not retried; the connection is closed under
+    the answer, and the next call goes on a new one."""
+    peer.answer = "trickle_never"
+    client = create_client(60, 4)
+    route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
+    refusal = _Refused()
+
+    def refuse(payload: dict[str, Any]) -> None:
+        raise refusal
+
+    try:
+        with pytest.raises(_Refused) as raised:
+            await stream_into(client, route, "/chat/completions", BODY, RetryPolicy(), CHAT_STREAM, refuse)
+        assert raised.value is refusal
+        assert len(peer.requests) == 1
+        peer.answer = "chunked"
+        assert await _words(client, peer) == ANSWER
+    finally:
+        await client.aclose()
+    assert peer.connections == 2
+
+
+async def test_a_cancel_while_a_body_is_pushed_closes_its_connection(peer: Peer) -> None:
+    """A call cancelled between two frames (a client's cancel): the cancel propagates, nothing more
+    reaches the consumer, and the connection is closed under the answer."""
+    peer.answer = "trickle_never"
+    client = create_client(60, 4)
+    route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
+    came: list[dict[str, Any]] = []
+    first = asyncio.Event()
+
+    def consume(payload: dict[str, Any]) -> None:
+        came.append(payload)
+        first.set()
+
+    call = asyncio.ensure_future(
+        stream_into(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM, consume)
+    )
+    try:
+        await first.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        seen = len(came)
+        await asyncio.sleep(0.1)
+        assert len(came) == seen < 3
+        assert peer.open_now == 0
     finally:
         await client.aclose()

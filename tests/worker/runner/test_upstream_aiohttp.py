@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -68,8 +68,9 @@ async def _words(route: Route, body: dict[str, Any], stall_seconds: float = 300.
 async def test_a_body_is_read_from_the_transports_reader_whole(
     upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
-    """Every word arrives, in order, and the body was read from the transport's own reader
-    (`http1.Body.read`, aiohttp's `StreamReader`), not through httpx's byte stream, the other path."""
+    """Every word arrives, in order, and the body was read from the transport's own reader (pushed
+    by `http1.Body.push`, a chunk at a time, never read; aiohttp's `StreamReader`), not through
+    httpx's byte stream, the other path."""
     taken: list[object] = []
     content_of = upstream_module._aiohttp_content
 
@@ -87,10 +88,21 @@ async def test_a_body_is_read_from_the_transports_reader_whole(
         return await read(self)
 
     monkeypatch.setattr(http1.Body, "read", counted)
+    pushed: list[bytes] = []
+    push = http1.Body.push
+
+    async def spied_push(self: http1.Body, feed: Callable[[bytes], bool]) -> bool:
+        def fed(chunk: bytes) -> bool:
+            pushed.append(chunk)
+            return feed(chunk)
+
+        return await push(self, fed)
+
+    monkeypatch.setattr(http1.Body, "push", spied_push)
     route, body = _scripted(upstream, {"text": "one two three four five", "delay": 0.01})
     assert await _words(route, body) == ["one ", "two ", "three ", "four ", "five"]
     if transport == "http1":
-        assert taken == [] and len(reads) >= 5
+        assert taken == [] and reads == [] and len(pushed) >= 5
     else:
         assert len(taken) == 1 and taken[0] is not None and reads == []
 
