@@ -245,6 +245,11 @@ type Leaving = tuple[str, str]
 type _Append = tuple[Lease, list[Event], int, Leaving | None, Callable[[Outcome], object]]
 
 
+# The script's answers for an append, as the outcomes they say (a lookup, not the enum's call: a
+# microsecond an append, issue 20).
+_OUTCOMES: dict[int, AppendResult] = {int(result): result for result in AppendResult}
+
+
 def _settle(future: asyncio.Future[AppendResult], outcome: Outcome) -> None:
     if future.done():  # its awaiting task was cancelled
         return
@@ -329,14 +334,19 @@ class EventLog:
                 results = await self._execute(batch, whole=True)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
+        added = 0
         for (_, events, _, _, done), result in zip(batch, results, strict=True):
-            # Counted here, where the outcome is known, even if whoever awaited it was cancelled meanwhile.
-            if self._on_append is not None and not isinstance(result, Exception) and int(result) >= 0:
-                self._on_append(len(events))
+            outcome = _OUTCOMES[result] if type(result) is int else result
+            if outcome is AppendResult.OK or outcome is AppendResult.CANCEL_REQUESTED:
+                added += len(events)
             try:
-                done(result if isinstance(result, Exception) else AppendResult(int(result)))
+                done(outcome)
             except Exception:  # one writer's fault must not cost the rest of the batch their outcomes
                 log.exception("telling an append's outcome failed")
+        # Counted here, where the outcomes are known, even if whoever awaited one was cancelled
+        # meanwhile; once a round trip, not once an append (a lock's round a token, issue 20).
+        if added and self._on_append is not None:
+            self._on_append(added)
 
     async def _execute(self, batch: list[_Append], whole: bool = False) -> list[Any]:
         """One EVALSHA for the whole batch (redis-py's script objects would add a SCRIPT EXISTS

@@ -126,8 +126,14 @@ class ResponseWriter:
             await asyncio.shield(self._idle)
 
     def _submit(self) -> None:
-        events, self._pending = coalesce.merge_deltas(self._pending), []
-        self._inflight = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
+        events, self._pending = self._pending, []
+        if len(events) == 1:  # a token a batch: the steady pace's
+            self._inflight = [encode(events[0], self.next_sequence)]
+        else:
+            events = coalesce.merge_deltas(events)
+            self._inflight = [
+                encode(event, self.next_sequence + offset) for offset, event in enumerate(events)
+            ]
         self._retry_until = 0.0
         self.log.submit(self.lease, self._inflight, 0, self._landed)
 
@@ -145,7 +151,7 @@ class ResponseWriter:
         then send what waits, or tell whoever waits for the writer to be idle."""
         encoded = self._inflight
         assert encoded is not None
-        if _landed_before(outcome):
+        if isinstance(outcome, Exception) and _landed_before(outcome):
             outcome = AppendResult.OK
         if isinstance(outcome, Exception):
             if is_outage(outcome) and not self._abandoned and self._retry(outcome):

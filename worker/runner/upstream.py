@@ -426,6 +426,8 @@ class _Reading:
         lines = (self._rest + chunk if self._rest else chunk).split(b"\n")
         self._rest = lines.pop()
         for line in lines:
+            if not line:  # the blank line after each event's: no call for it
+                continue
             payload = _data(line)
             if payload is None:
                 continue
