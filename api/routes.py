@@ -108,6 +108,7 @@ def _relay(
         write_timeout_seconds=service.settings.sse_write_timeout_seconds,
         on_disconnect=on_disconnect,
         on_close=None if stream.slot is None else lambda: service.quotas.close_stream(stream.slot),
+        passthrough=stream.passthrough,
     )
 
 

@@ -13,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from worker.errors import UnavailableError
 from worker.events.stream import Event
 from worker.outages import as_unavailable
+from worker.service.tailer import Passthrough
 
 log = logging.getLogger("respool.sse")
 
@@ -107,7 +110,9 @@ class EventStream(StreamingResponse):
     the writes and no wrapper around each write (each was a hop a token, issue 20). The start of the
     answer goes through the middleware (its request id, its count in the metrics); its body frames
     straight to the server's `send` (`SERVER_SEND`), past the five wrappers that only look at a
-    start: a layer less a token."""
+    start: a layer less a token. A live event that comes while the relay waits is written from the
+    tailer's read itself, as `send` would write it (`passthrough`, `_through`): no task wakes up
+    for it, nor does a queue take it (paired, 30 streams: the API's CPU a token 98 -> 79 µs)."""
 
     def __init__(
         self,
@@ -116,9 +121,12 @@ class EventStream(StreamingResponse):
         write_timeout_seconds: float,
         on_disconnect: Callable[[], Awaitable[None]] | None,
         on_close: Callable[[], Awaitable[None]] | None,
+        passthrough: Passthrough | None = None,
     ) -> None:
         super().__init__(_no_body(), media_type="text/event-stream", headers=HEADERS)
         self._events = events
+        self._passthrough = passthrough
+        self._written_through = -1  # the last event written through (`_through`)
         self._after = after
         self._write_timeout = write_timeout_seconds
         self._on_disconnect = on_disconnect
@@ -128,6 +136,9 @@ class EventStream(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         send = self._server_send or send
+        passthrough, cycle = self._passthrough, _cycle_of(send)
+        if passthrough is not None and cycle is not None:
+            passthrough.write = partial(self._through, cycle)
         watch = _WriteWatch(self._write_timeout)
         watch.writer = asyncio.current_task()
         loop = asyncio.get_running_loop()
@@ -153,6 +164,7 @@ class EventStream(StreamingResponse):
                 if error is None:
                     raise
                 self._is_ended = True  # we end it, not the client: nothing to cancel
+                after = max(after, self._written_through)
                 log.warning("a stream ends early after event %d: %s", after, error.message)
                 if after >= 0:  # with no event sent yet there is no number to repeat: the stream just ends
                     await send(
@@ -160,7 +172,24 @@ class EventStream(StreamingResponse):
                     )
         finally:
             watch.stop()
+            if passthrough is not None:
+                passthrough.write = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _through(self, cycle: RequestResponseCycle, event: Event) -> bool:
+        """Write `event`'s frame as a chunk of the answer straight to the connection (the tailer's
+        read calls this: `Passthrough`), as uvicorn's `send` would: unless its writes are paused
+        (a client slow to read: then `send` waits, under the write watch) or the client is gone."""
+        transport = cycle.transport
+        if cycle.flow.write_paused or cycle.disconnected or transport.is_closing():
+            return False
+        body = frame(event)
+        try:
+            transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        except Exception:
+            return False
+        self._written_through = event.sequence_number
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._server_send: Send | None = scope.get(SERVER_SEND)
@@ -183,6 +212,15 @@ class EventStream(StreamingResponse):
                 _run_detached(self._on_close())
 
 
+def _cycle_of(send: Send) -> RequestResponseCycle | None:
+    """The uvicorn request whose `send` this is, if its body goes chunked on httptools' protocol
+    (the server respool runs: api/serving.py), which `EventStream._through` writes as `send` does."""
+    cycle = getattr(send, "__self__", None)
+    if isinstance(cycle, RequestResponseCycle) and cycle.chunked_encoding is True:
+        return cycle
+    return None
+
+
 async def _no_body() -> AsyncGenerator[bytes]:
     """StreamingResponse's body, unused: `EventStream` writes its own."""
     return
@@ -196,10 +234,11 @@ def sse_response(
     write_timeout_seconds: float,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_close: Callable[[], Awaitable[None]] | None = None,
+    passthrough: Passthrough | None = None,
 ) -> EventStream:
     """Relay `events` (those after sequence number `after`); `on_disconnect` runs if the client goes
     away (or is given up on) before the terminal event, `on_close` however the stream ends."""
-    return EventStream(events, after, write_timeout_seconds, on_disconnect, on_close)
+    return EventStream(events, after, write_timeout_seconds, on_disconnect, on_close, passthrough)
 
 
 async def until_disconnected[T](request: Request, work: Awaitable[T]) -> T | None:

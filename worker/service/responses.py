@@ -58,7 +58,7 @@ from worker.service import chains
 from worker.service.cancellation import CANCEL_FLAG_SECONDS, Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
-from worker.service.tailer import TAILER_BLOCK_MS, Tailer
+from worker.service.tailer import TAILER_BLOCK_MS, Passthrough, Tailer
 from worker.settings import Settings
 from worker.translation import chat_request, native
 from worker.webhooks import Notifier
@@ -77,6 +77,7 @@ class Stream:
     events: AsyncIterator[Event | None]
     after: int
     slot: StreamSlot | None
+    passthrough: Passthrough | None = None  # where the relay may write live events (`Passthrough`)
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,11 @@ class ResponseService:
             raise
         if not request.is_stream:
             return Created(response, request)
-        events = self.tailer.follow(response["id"], -1, self.settings.sse_heartbeat_seconds, is_new=True)
-        return Created(response, request, Stream(events, -1, slot))
+        through = Passthrough()
+        events = self.tailer.follow(
+            response["id"], -1, self.settings.sse_heartbeat_seconds, is_new=True, passthrough=through
+        )
+        return Created(response, request, Stream(events, -1, slot, through))
 
     def _own_items(self, request: CreateRequest) -> list[dict[str, Any]]:
         """The request's input as items, at most RESPOOL_MAX_INPUT_ITEMS of them."""
@@ -505,8 +509,11 @@ class ResponseService:
         exists for `owner`, its events are still kept and `owner` may open one more stream."""
         final = await self.check_streamable(owner, response_id)
         slot = await self.quotas.open_stream(owner)
-        events = self.follow(response_id, after, self.settings.sse_heartbeat_seconds, final=final)
-        return Stream(events, after, slot)
+        through = Passthrough() if final is None else None
+        events = self.follow(
+            response_id, after, self.settings.sse_heartbeat_seconds, final=final, passthrough=through
+        )
+        return Stream(events, after, slot, through)
 
     async def check_streamable(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Raise unless the response exists for `owner` and its events are still kept; its final
@@ -534,6 +541,7 @@ class ResponseService:
         idle_seconds: float | None = None,
         *,
         final: dict[str, Any] | None = None,
+        passthrough: Passthrough | None = None,
     ) -> AsyncIterator[Event | None]:
         """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
         finished response (`final`) what is stored, an `after` past its end being an empty stream.
@@ -542,8 +550,10 @@ class ResponseService:
         Raises Redis's outage if Redis is lost meanwhile (the relay's boundary says so to its
         client, who resumes after the last event it got, once Redis is back).
         """
-        events = self.tailer.follow(response_id, after, idle_seconds, final is not None)
-        return events if final is None else self._follow_finished(events, response_id, after, final)
+        if final is not None:
+            events = self.tailer.follow(response_id, after, idle_seconds, True)
+            return self._follow_finished(events, response_id, after, final)
+        return self.tailer.follow(response_id, after, idle_seconds, passthrough=passthrough)
 
     async def _follow_finished(
         self, events: AsyncGenerator[Event | None], response_id: str, after: int, final: dict[str, Any]

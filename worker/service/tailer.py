@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -57,11 +57,30 @@ class _Idle:
 _IDLE: Final = _Idle()
 
 
+class Passthrough:
+    """Where a follower's live events may be written as the tailer's read brings them (`write`:
+    whether it wrote the event), set by the relay once it can write them so: then no task wakes up,
+    and no queue takes or gives, for an event (a token), where each woke its relay's task, which
+    took it from its queue through the follower's generator to its write (issue 20).
+
+    Only while the follower's task waits with nothing in its queue (else that would be written
+    after what comes later), never its terminal event (the follower ends at it, its relay with
+    it): those go by the queue, as does every event once `write` says no (a client slow to read,
+    gone), until the follower waits again."""
+
+    __slots__ = ("write",)
+
+    def __init__(self) -> None:
+        self.write: Callable[[Event], bool] | None = None
+
+
 @dataclass(eq=False)
 class _Subscriber:
     position: int
     queue: asyncio.Queue[Event | RedisError | _Idle] = field(default_factory=asyncio.Queue)
     taken_at: float = 0.0  # the loop time its reader last took something from `queue`
+    passthrough: Passthrough | None = None
+    waiting: bool = False  # its reader waits on an empty `queue`: its events may pass through
 
 
 async def _take_until(
@@ -155,6 +174,7 @@ class Tailer:
         is_finished: bool = False,
         *,
         is_new: bool = False,
+        passthrough: Passthrough | None = None,
     ) -> AsyncGenerator[Event | None]:
         """Every event with `sequence_number > after`, stored then live, up to the terminal event.
 
@@ -167,7 +187,8 @@ class Tailer:
         starts its output over (DESIGN.md §4, "Orphans"), which would take back what was relayed.
         A response its create followed at once (`is_new`) was marked at its enqueue: it is followed
         from its first event by the live tail alone, with no read before (a round trip less a
-        foreground create, issue 20).
+        foreground create, issue 20). With a `passthrough`, live events may be written by it
+        instead of yielded (`Passthrough`).
         """
         position = after
         page = (
@@ -194,12 +215,18 @@ class Tailer:
             position = page[-1].sequence_number
         # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
         subscriber = await self._subscribe(response_id, position)
+        if until is None:
+            subscriber.passthrough = passthrough
         timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
         item: Event | RedisError | _Idle | None
         try:
             while True:
                 if until is None:
-                    item = await subscriber.queue.get()
+                    subscriber.waiting = True  # its events may pass through while it waits
+                    try:
+                        item = await subscriber.queue.get()
+                    finally:
+                        subscriber.waiting = False
                 else:
                     item = await _take_until(subscriber, idle_seconds, until)
                     if item is None:
@@ -315,7 +342,17 @@ class Tailer:
             return
         events = [decode_flat(entry, fields) for entry, fields in entries]  # once, for every reader
         for subscriber in subscribers:
+            through = subscriber.passthrough
+            write = through.write if through is not None and subscriber.waiting else None
+            written = False
             for event in events:
                 if event.sequence_number > subscriber.position:
-                    subscriber.queue.put_nowait(event)
                     subscriber.position = event.sequence_number
+                    if write is not None and not event.is_terminal and write(event):
+                        written = True
+                        continue
+                    write = None  # the rest go after it, by the queue too
+                    subscriber.waiting = False  # until its reader has taken what is there
+                    subscriber.queue.put_nowait(event)
+            if written:
+                subscriber.taken_at = asyncio.get_running_loop().time()  # no silence to hear of

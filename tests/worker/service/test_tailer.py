@@ -15,7 +15,7 @@ from worker.connections import blocking_client
 from worker.events.stream import Event, encode, entry_id
 from worker.keys import events_key
 from worker.service import tailer as tailer_module
-from worker.service.tailer import Tailer
+from worker.service.tailer import Passthrough, Tailer
 
 pytestmark = pytest.mark.integration
 
@@ -242,5 +242,69 @@ async def test_the_wake_up_stream_expires_if_its_process_dies(backing: Servers, 
         assert (await waiting).sequence_number == 1
         assert await redis.ttl(tailer._wake) > 0
         await events.aclose()
+    finally:
+        await tailer.stop()
+
+
+class _Written:
+    """A passthrough's writes: the numbers written, and refused once those in `refuse`."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.numbers: list[int] = []
+        self.refuse = refuse
+        self.changed = asyncio.Event()
+
+    def write(self, event: Event) -> bool:
+        if event.sequence_number in self.refuse:
+            self.refuse.discard(event.sequence_number)
+            return False
+        self.numbers.append(event.sequence_number)
+        self.changed.set()
+        return True
+
+    async def until(self, numbers: list[int]) -> None:
+        async with asyncio.timeout(10):
+            while self.numbers != numbers:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def test_a_waiting_followers_live_events_pass_through_and_its_end_is_yielded(
+    backing: Servers, redis: Redis
+) -> None:
+    """With a passthrough that writes, each live event its follower waits for is written by it from
+    the tailer's read (none is yielded); the terminal event is yielded, and ends the follow. An
+    event the passthrough refuses (its client slow to read) is yielded, and so is every event after
+    it, in order, until the follower has taken them; then events pass through again."""
+    tailer = await _tailer(backing, redis, batch_seconds=0.0)
+    written = _Written(refuse={3})
+    through = Passthrough()
+    through.write = written.write
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        events = tailer.follow(response_id, passthrough=through)
+        assert (await _next(events)).sequence_number == 0  # replayed: yielded
+        waiting = asyncio.ensure_future(_next(events))
+        await asyncio.sleep(0.2)  # the follower is live, and waits
+        for sequence_number in (1, 2):
+            await _append(redis, response_id, sequence_number)
+        await written.until([1, 2])
+        assert not waiting.done()
+        async with redis.pipeline(transaction=True) as pipe:  # one read: 3 refused, so 4 after it
+            delta = {"type": "response.output_text.delta", "delta": "x"}
+            add_events(pipe, response_id, [encode(dict(delta), n) for n in (3, 4)])
+            await pipe.execute()
+        assert (await waiting).sequence_number == 3
+        assert (await _next(events)).sequence_number == 4
+        waiting = asyncio.ensure_future(_next(events))
+        await asyncio.sleep(0.1)  # waiting again
+        await _append(redis, response_id, 5)
+        await written.until([1, 2, 5])
+        await _append(redis, response_id, 6, "response.completed")
+        assert (await waiting).type == "response.completed"
+        with pytest.raises(StopAsyncIteration):
+            await anext(events)
+        assert written.numbers == [1, 2, 5]
     finally:
         await tailer.stop()
