@@ -205,14 +205,18 @@ class Tailer:
                 break
             position = page[-1].sequence_number
             page = await read_events(self._redis, response_id, position, count=REPLAY_PAGE)
+        if page:
+            position = page[-1].sequence_number
         until = None
         if is_finished:
             last = await last_event(self._redis, response_id)
-            if last is None or last.is_terminal:
+            if last is None:
+                return
+            if last.is_terminal:  # appended since the replay read (its writer ended it meanwhile)
+                for event in await read_events(self._redis, response_id, position):
+                    yield event
                 return
             until = asyncio.get_running_loop().time() + self._finishing_seconds
-        if page:
-            position = page[-1].sequence_number
         # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
         subscriber = await self._subscribe(response_id, position)
         if until is None:

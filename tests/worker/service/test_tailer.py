@@ -308,3 +308,29 @@ async def test_a_waiting_followers_live_events_pass_through_and_its_end_is_yield
         assert written.numbers == [1, 2, 5]
     finally:
         await tailer.stop()
+
+
+async def test_a_finished_responses_end_appended_after_its_replay_read_is_relayed(
+    backing: Servers, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished response (its row ended) whose writer appends its last events and terminal event
+    between the replay's read and the look at the stream's newest event: those events are relayed,
+    up to the terminal one, not dropped (the stream seemed to end without its end: seen in CI)."""
+    tailer = await _tailer(backing, redis, batch_seconds=0.0)
+    newest = tailer_module.last_event
+
+    async def after_the_writer_ended_it(redis_: Redis, response_id: str) -> Event | None:
+        await _append(redis, response_id, 2)
+        await _append(redis, response_id, 3, "response.completed")
+        return await newest(redis_, response_id)
+
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        await _append(redis, response_id, 1)
+        monkeypatch.setattr(tailer_module, "last_event", after_the_writer_ended_it)
+        events = tailer.follow(response_id, is_finished=True)
+        got = [event.sequence_number async for event in events if event is not None]
+        assert got == [0, 1, 2, 3]
+    finally:
+        await tailer.stop()
