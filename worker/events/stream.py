@@ -28,26 +28,35 @@ from worker.protocol.response import TERMINAL_EVENTS
 
 log = logging.getLogger("respool.events")
 
-# One round trip's appends, of any number of responses (DESIGN.md §7). KEYS: lease, events, cancel,
-# attempt, observed of each response in turn, and for one that ends with this append and leaves its
-# queue in the same step, the queue's held set and its queued key. ARGV: for each, its lease value,
-# how many events, how many seconds its keys are kept from now (0: no change; a final append starts
-# their retention clock, DESIGN.md §2.7, in the same step), its id if it leaves its queue (else ''),
-# then an (entry id, type, data) triple per event. Answers, for each response: -1 when fenced out
-# (the lease is not its writer's), else whether a cancel was requested; or the error its first
-# refused XADD met (an "equal or smaller" id: DESIGN.md §3), after which none of its later events
-# are added (nor its keys' expiry set, nor its queue left: the try that added them did).
+# One round trip's appends, of any number of responses (DESIGN.md §7). For each response in turn:
+# KEYS its lease, events and cancel keys, and for one whose append is its final one (its keys'
+# retention starts, and perhaps it leaves its queue) its attempt and observed keys too, then, if it
+# leaves its queue in the same step, the queue's held set and its queued key. ARGV its lease value,
+# then how many events: a number for a plain append, `<count>:<seconds>:<id or nothing>` for a
+# final one (how many seconds its keys are kept from now: a final append starts their retention
+# clock, DESIGN.md §2.7, in the same step; its id if it leaves its queue), then an (entry id, type,
+# data) triple per event. Answers, for each response: -1 when fenced out (the lease is not its
+# writer's), else whether a cancel was requested; or the error its first refused XADD met (an
+# "equal or smaller" id: DESIGN.md §3), after which none of its later events are added (nor its
+# keys' expiry set, nor its queue left: the try that added them did).
 # One script call for all of them, one command to pack where a pipeline packed one per response: a
 # worker's CPU a token fell 9% at 30 streams, 14% at 100 (README, CPU cost). A response leaving its
 # queue here (`ResponseQueue.finished`'s work: out of the held set, its queued key and its lease
-# gone) saves its worker a round trip at its end.
+# gone) saves its worker a round trip at its end. A plain append (a token's, all but one of a
+# response's) names three keys and two arguments besides its events, not five and four: Redis's
+# CPU for it fell a fifth (issue 20).
 _FENCED_APPEND = """
 local results = {}
 local at = 1
 local k = 1
 while k <= #KEYS do
-  local lease, retain, leaving, first = ARGV[at], tonumber(ARGV[at + 2]), ARGV[at + 3], at + 4
-  at = first + 3 * tonumber(ARGV[at + 1])
+  local lease, spec, first = ARGV[at], ARGV[at + 1], at + 2
+  local count, retain, leaving, width = tonumber(spec), 0, '', 3
+  if not count then
+    local n, seconds, id = string.match(spec, '^(%d+):(%d+):(.*)$')
+    count, retain, leaving, width = tonumber(n), tonumber(seconds), id, (id ~= '' and 7 or 5)
+  end
+  at = first + 3 * count
   local result
   if redis.call('GET', KEYS[k]) ~= lease then
     result = -1
@@ -68,7 +77,7 @@ while k <= #KEYS do
     end
   end
   results[#results + 1] = result
-  k = k + (leaving ~= '' and 7 or 5)
+  k = k + width
 end
 return results
 """
@@ -358,15 +367,15 @@ class EventLog:
         args: list[str | bytes | int] = []
         for lease, events, retain_seconds, leaving, _ in batch:
             appended = lease.appended
-            keys += appended[:5]
-            if leaving is not None:
-                keys += leaving
-            args += (
-                appended[5],
-                len(events),
-                retain_seconds,
-                lease.response_id if leaving is not None else "",
-            )
+            if retain_seconds or leaving is not None:  # a final append: its keys' clock, its queue
+                keys += appended[:5]
+                if leaving is not None:
+                    keys += leaving
+                leaves = lease.response_id if leaving is not None else ""
+                args += (appended[5], f"{len(events)}:{retain_seconds}:{leaves}")
+            else:
+                keys += appended[:3]
+                args += (appended[5], len(events))
             for event in events:
                 args += (b"0-%d" % (event.sequence_number + 1), event.type, event.data)  # entry_id's
         # `whole`: the script sent itself (EVAL), after a NOSCRIPT; not loaded then asked for again,
