@@ -53,6 +53,7 @@ SCENARIOS = {
     "poll10k": ("poll", 16, 10000, 8, 0),  # for --spy
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
+    "short1": ("short", 1, 10, 8, 0),  # ten short requests, one at a time (for --strace)
 }
 
 
@@ -323,7 +324,8 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
         calls = "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev"
         tool, suffix = ["strace", "-f", "-tt", "-e", calls, "-s", "64", "-o"], "strace"
     elif args.perf:
-        tool, suffix = ["perf", "record", "-F", "499", "-g", "-o"], "perf"
+        graph = ["--call-graph", "dwarf,32768", "-F", "149"] if args.dwarf else ["-g", "-F", "499"]
+        tool, suffix = ["perf", "record", *graph, "-o"], "perf"
     else:
         how = ["--native"] if args.native else ["--nonblocking", *(["--gil"] if args.gil else [])]
         tool, suffix = [args.py_spy, "record", "-r", "250", "-f", "raw", *how, "-o"], "txt"
@@ -381,6 +383,11 @@ def main() -> None:
         help="with --spy: py-spy --gil (samples only the thread holding the GIL: on-CPU Python)",
     )
     parser.add_argument("--pg-log", action="store_true", help="log every Postgres statement (with --keep)")
+    parser.add_argument(
+        "--dwarf",
+        action="store_true",
+        help="with --perf: unwind by DWARF (Python's frames through libpython)",
+    )
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
     args = parser.parse_args()

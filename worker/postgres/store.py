@@ -170,6 +170,11 @@ WHERE {_FENCED}
 """
 _DELETE_FINISHED = f"DELETE FROM response WHERE {_FENCED}"
 _EXISTS = "SELECT EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)"
+# The same, for a direct connection (on libpq itself, `direct.run`).
+_INSERTED = direct.Statement("insert", _INSERT)
+_VIEWED = direct.Statement("view", _SELECT_VIEW)
+_FINISHED = direct.Statement("finish", _MARK_FINISHED)
+_DELETED = direct.Statement("delete_finished", _DELETE_FINISHED)
 
 
 async def driver(conn: Connection) -> direct.Connection:
@@ -225,7 +230,10 @@ async def insert_response(conn: Connection, row: dict[str, Any], input_count: in
     values = {name: Jsonb(row[name]) if name in _JSON_COLUMNS else row[name] for name in _NEW_ROW}
     values["status"] = str(values["status"])
     continued = len(row["conversation"]) - input_count
-    await (await driver(conn)).execute(_INSERT, {**values, "continued": continued})
+    if isinstance(conn, AsyncConnection):
+        await (await driver(conn)).execute(_INSERT, {**values, "continued": continued})
+    else:
+        await direct.run(conn, _INSERTED, {**values, "continued": continued})
 
 
 async def get_response(conn: Connection, response_id: str, owner: str | None = None) -> StoredResponse | None:
@@ -252,11 +260,19 @@ async def get_view(conn: Connection, response_id: str, owner: str) -> View | Non
     for a poll, a cancel, a delete, a replay, which leaves out the row's request and input (a long
     history is most of a row: a poll of a response with 300 KB of input read 1.6 ms of CPU and
     5.6 ms through them, 0.1 and 0.2 without)."""
-    cursor = await (await driver(conn)).execute(_SELECT_VIEW, {"rid": response_id, "owned_by": owner})
-    row = await cursor.fetchone()
-    if row is None or not row[0]:
+    parameters = {"rid": response_id, "owned_by": owner}
+    if isinstance(conn, AsyncConnection):
+        cursor = await (await driver(conn)).execute(_SELECT_VIEW, parameters)
+        row = await cursor.fetchone()
+        if row is None or not row[0]:
+            return None
+        return View(Status(row[1]), row[2], row[3])
+    result = await direct.run(conn, _VIEWED, parameters)
+    if not result.ntuples or result.get_value(0, 0) != b"t":
         return None
-    return View(Status(row[1]), row[2], row[3])
+    status, background, response = (result.get_value(0, column) for column in (1, 2, 3))
+    assert status is not None and response is not None  # NOT NULL columns
+    return View(Status(status.decode()), background == b"t", orjson.loads(response))
 
 
 async def start_attempt(conn: Connection, response_id: str, attempt: int) -> StoredResponse | None:
@@ -308,8 +324,10 @@ async def mark_finished(conn: Connection, response_id: str, attempt: int, respon
         "new_response": Jsonb(response),
         "new_error": None if error is None else Jsonb(error),
     }
-    cursor = await (await driver(conn)).execute(_MARK_FINISHED, parameters)
-    return cursor.rowcount == 1
+    if isinstance(conn, AsyncConnection):
+        cursor = await (await driver(conn)).execute(_MARK_FINISHED, parameters)
+        return cursor.rowcount == 1
+    return (await direct.run(conn, _FINISHED, parameters)).command_tuples == 1
 
 
 async def response_exists(conn: Connection, response_id: str) -> bool:
@@ -322,8 +340,10 @@ async def response_exists(conn: Connection, response_id: str) -> bool:
 async def delete_finished(conn: Connection, response_id: str, attempt: int) -> bool:
     """Finish a `store: false` response by deleting it, fenced like `mark_finished`."""
     parameters = {"rid": response_id, "held_attempt": attempt}
-    cursor = await (await driver(conn)).execute(_DELETE_FINISHED, parameters)
-    return cursor.rowcount == 1
+    if isinstance(conn, AsyncConnection):
+        cursor = await (await driver(conn)).execute(_DELETE_FINISHED, parameters)
+        return cursor.rowcount == 1
+    return (await direct.run(conn, _DELETED, parameters)).command_tuples == 1
 
 
 async def mark_failed(conn: AsyncConnection, response_id: str, response: dict[str, Any]) -> bool:

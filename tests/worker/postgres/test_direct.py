@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.stack import Servers, fresh_database
 from worker.outages import is_postgres_outage
-from worker.postgres import store
+from worker.postgres import direct, store
 from worker.postgres.direct import DirectPool, PoolTimeoutError, driver_url, shares
 from worker.protocol.response import Status
 
@@ -247,3 +247,82 @@ async def test_a_rows_input_items_are_the_last_of_its_conversation(pool: DirectP
             (response_id,),
         )
         assert await cursor.fetchall() == [(0, "msg_own1"), (1, "msg_own2")]
+
+
+# The hot statements on libpq itself (`direct.run`) ------------------------------------------------
+
+
+def test_a_statements_parameters_are_numbered_by_name_in_order_of_first_use() -> None:
+    statement = direct.Statement("s", "SELECT %(b)s, %(a)s WHERE %(b)s IS NOT NULL AND 100%%")
+    assert (statement.name, statement.parameters) == (b"respool_s", ("b", "a"))
+    assert statement.sql == b"SELECT $1, $2 WHERE $1 IS NOT NULL AND 100%%"
+
+
+def test_parameters_are_sent_in_their_text_form() -> None:
+    values = [None, True, False, 0, -12, "héllo", store.Jsonb({"a": [1, "☃"]})]
+    texts = [None, b"t", b"f", b"0", b"-12", "héllo".encode(), '{"a":[1,"☃"]}'.encode()]
+    assert [direct._text(value) for value in values] == texts
+    with pytest.raises(TypeError, match="float"):
+        direct._text(1.5)
+
+
+async def _prepared(conn: psycopg.AsyncConnection[object]) -> list[str]:
+    cursor = await conn.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE 'respool%%'")
+    return sorted(str(row[0]) for row in await cursor.fetchall())
+
+
+async def test_a_hot_statement_is_prepared_once_a_connection(pool: DirectPool, database: str) -> None:
+    """Prepared on a connection's first use of it, then only executed; a new connection (the old
+    one's server gone) prepares it again."""
+    async with pool.connection() as conn:
+        for _ in range(3):
+            await store.get_view(conn, "resp_unknown", "direct")
+        assert await _prepared(conn) == ["respool_view"]
+        pid = conn.info.backend_pid
+    await _terminate(database, pid)
+    with pytest.raises(psycopg.OperationalError) as raised:
+        async with pool.connection() as conn:
+            await store.get_view(conn, "resp_unknown", "direct")
+    assert is_postgres_outage(raised.value) and conn.broken
+    async with pool.connection() as conn:
+        assert conn.info.backend_pid != pid
+        assert await store.get_view(conn, "resp_unknown", "direct") is None
+        assert await _prepared(conn) == ["respool_view"]
+
+
+async def test_a_failed_hot_statement_raises_as_psycopg_does_and_its_connection_goes_on(
+    pool: DirectPool,
+) -> None:
+    response_id = f"resp_{uuid.uuid4().hex}"
+    row = {**_ROW, "id": response_id, "response": {"id": response_id, "status": "queued"}}
+    async with pool.connection() as conn:
+        await store.insert_response(conn, row, 1)
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            await store.insert_response(conn, row, 1)
+        view = await store.get_view(conn, response_id, "direct")
+        assert view is not None and view.status == Status.QUEUED
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+async def test_a_hot_statement_cut_off_midway_holds_up_no_later_one(database: str) -> None:
+    """A statement on libpq whose task is cancelled leaves its connection mid-statement: closed, not
+    handed out again (the next statement is not behind it)."""
+    pool = DirectPool(database, 1, wait_seconds=2)
+    sleep = direct.Statement("sleep", "SELECT pg_sleep(%(seconds)s)")
+    try:
+
+        async def sleeps() -> None:
+            async with pool.connection() as conn:
+                await direct.run(conn, sleep, {"seconds": "30"})
+
+        task = asyncio.create_task(sleeps())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        started = time.monotonic()
+        async with pool.connection() as conn:
+            assert await store.get_view(conn, "resp_unknown", "direct") is None
+        assert time.monotonic() - started < 2
+    finally:
+        await pool.close()
