@@ -33,7 +33,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from worker.connections import bare_command, bare_pipeline
+from worker.connections import HeldConnection, HeldConnections, bare_pipeline
 from worker.events.lease import ACQUIRE_FUNCTION, FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, entry_id
 from worker.keys import (
@@ -168,6 +168,14 @@ class ResponseQueue:
         self.workers = workers_key(name)
         # How long a running response's holder has to renew it before it counts as abandoned.
         self.deadline_seconds = deadline_seconds
+        self._round_trips = HeldConnections(redis, 4)  # a create's enqueue, a response's end
+        self._popping: tuple[AsyncRedis, HeldConnection] | None = None  # the taker's, on its client
+
+    async def close(self) -> None:
+        """Give the connections it holds back to their pools."""
+        await self._round_trips.close()
+        if self._popping is not None:
+            await self._popping[1].close()
 
     async def enqueue(
         self,
@@ -198,11 +206,11 @@ class ResponseQueue:
         for event in first_events:
             args += (entry_id(event.sequence_number), event.type, event.data)
         try:
-            await bare_command(self.redis, "EVALSHA", _ENQUEUE_SHA, len(keys), *keys, *args)
+            await self._round_trips.command("EVALSHA", _ENQUEUE_SHA, len(keys), *keys, *args)
         except NoScriptError:  # a Redis that restarted (or flushed its scripts) ran nothing of it
             # Sent whole (EVAL), not loaded then asked for again: scripts flushed between the two
             # would fail the create (seen where test sessions share a Redis that one flushes).
-            await bare_command(self.redis, "EVAL", _ENQUEUE, len(keys), *keys, *args)
+            await self._round_trips.command("EVAL", _ENQUEUE, len(keys), *keys, *args)
 
     async def depth(self) -> int:
         """How many responses wait for a worker."""
@@ -249,7 +257,9 @@ class ResponseQueue:
         # Sent bare, the pop and the script in one write: redis-py's pipeline cost a third of a
         # millisecond of the worker's CPU, spent before the response it had just taken could start.
         pop = ("BLMOVE", self.key, taking, "LEFT", "RIGHT", timeout_seconds)
-        _, started = await bare_pipeline(blocking, pop, ("EVALSHA", _START_POPPED_SHA, *start))
+        if self._popping is None or self._popping[0] is not blocking:  # one taker a worker
+            self._popping = (blocking, HeldConnection(blocking))
+        _, started = await self._popping[1].pipeline(pop, ("EVALSHA", _START_POPPED_SHA, *start))
         if isinstance(started, NoScriptError):  # a Redis that restarted: what the pop took is started
             (started,) = await bare_pipeline(self.redis, ("EVAL", _START_POPPED, *start))
         if isinstance(started, Exception):  # the script failed: what the pop took goes back
@@ -288,9 +298,9 @@ class ResponseQueue:
         rid = lease.response_id
         args = (3, self.held, queued_key(rid), lease_key(rid), rid, lease.value)
         try:
-            await bare_command(self.redis, "EVALSHA", _FINISHED_SHA, *args)
+            await self._round_trips.command("EVALSHA", _FINISHED_SHA, *args)
         except NoScriptError:  # a Redis that restarted (or flushed its scripts) ran nothing of it
-            await bare_command(self.redis, "EVAL", _FINISHED, *args)
+            await self._round_trips.command("EVAL", _FINISHED, *args)
 
     async def put_back(self, leases: Leases, lease: Lease) -> None:
         """A response this worker stopped (to shut down): at the front of the queue, then its lease

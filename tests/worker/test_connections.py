@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.support.stack import Servers
-from worker.connections import HeldConnection, bare_command, connect
+from worker.connections import HeldConnection, HeldConnections, bare_command, connect
 
 pytestmark = pytest.mark.integration
 
@@ -60,13 +60,14 @@ async def test_a_dropped_connection_is_replaced_and_the_command_sent_once_more(
     await redis.delete("bare:k")
 
 
-@pytest.fixture(params=["bare", "held"])
+@pytest.fixture(params=["bare", "held", "lent"])
 async def send(request: pytest.FixtureRequest, one: Redis) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
-    """One command's way on `one`'s single connection: `bare_command`, or a `HeldConnection`."""
+    """One command's way on `one`'s single connection: `bare_command`, a `HeldConnection`, or one
+    lent by `HeldConnections`."""
     if request.param == "bare":
         yield partial(bare_command, one)
         return
-    held = HeldConnection(one)
+    held = HeldConnection(one) if request.param == "held" else HeldConnections(one, 1)
     yield held.command
     await held.close()
 
@@ -177,3 +178,28 @@ async def test_a_held_connection_that_its_pool_disconnected_connects_again(
     first = await held.command("CLIENT", "ID")
     await one.connection_pool.disconnect()  # as a pool reset does, in use or not
     assert await held.command("CLIENT", "ID") != first
+
+
+# HeldConnections ---------------------------------------------------------------------------------
+
+
+async def test_held_connections_are_kept_and_lent_one_caller_at_a_time(backing: Servers) -> None:
+    """Commands one after another go on one kept connection; one sent while it is lent gets another
+    (up to `most`); past `most`, a command goes through the pool (`bare_command`) without waiting."""
+    client = connect(backing.redis_url, max_connections=4)
+    lent = HeldConnections(client, 2)
+    try:
+        first = await lent.command("CLIENT", "ID")
+        assert {await lent.command("CLIENT", "ID") for _ in range(3)} == {first}
+        await client.delete("lent:list")
+        blocked = [asyncio.create_task(lent.command("BLPOP", "lent:list", 2)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        meanwhile = await asyncio.wait_for(lent.command("CLIENT", "ID"), 1)  # both lent: by the pool
+        await client.rpush("lent:list", "a", "b")
+        assert sorted(await asyncio.gather(*blocked)) == [[b"lent:list", b"a"], [b"lent:list", b"b"]]
+        kept = {await lent.command("CLIENT", "ID") for _ in range(4)}
+        assert first in kept and meanwhile not in kept
+    finally:
+        await lent.close()
+        await client.aclose()
+        await client.connection_pool.disconnect()

@@ -163,4 +163,5 @@ async def close_runtime(rt: Runtime) -> None:
     await rt.http.aclose()
     await rt.engine.dispose()
     await rt.direct.close()
+    await rt.queue.close()
     await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own

@@ -140,6 +140,7 @@ class ResponseService:
         await self.engine.dispose()
         await self.direct.close()
         await self.http.aclose()
+        await self.queue.close()
         await self.redis.aclose()
         self.sync_redis.close()
 

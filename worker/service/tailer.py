@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from worker.connections import HeldConnection, bare_command
+from worker.connections import HeldConnection, HeldConnections
 from worker.events.stream import (
     Event,
     decode_flat,
@@ -133,6 +133,7 @@ class Tailer:
         self._redis = redis  # the process's pool: replays and wake-ups
         self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
         self._reads = HeldConnection(blocking)  # `_run`'s, one read at a time
+        self._pokes = HeldConnections(redis, 1)  # at most one poke waits for its read's end
         self._block_ms = block_ms
         # How long a finished response's terminal event may still be on its way (it follows the commit).
         self._finishing_seconds = finishing_seconds
@@ -164,6 +165,7 @@ class Tailer:
                 await self._task
         with contextlib.suppress(RedisError):  # it expires on its own if Redis is down now
             await self._redis.delete(self._wake)
+        await self._pokes.close()
         await self._blocking.aclose()
 
     async def follow(
@@ -275,10 +277,10 @@ class Tailer:
         """End the blocked read: one XADD to the wake-up stream, sent bare (a pipeline with the
         key's expiry at every poke was a fifteenth of an API's CPU a short response); the id it
         added. The expiry is renewed when due (and after Redis was away: it may be a new key)."""
-        entry = await bare_command(self._redis, "XADD", self._wake, "MAXLEN", 10, "*", "w", 1)
+        entry = await self._pokes.command("XADD", self._wake, "MAXLEN", 10, "*", "w", 1)
         now = asyncio.get_running_loop().time()
         if now >= self._wake_renew_at:
-            await bare_command(self._redis, "EXPIRE", self._wake, _WAKE_TTL_SECONDS)
+            await self._pokes.command("EXPIRE", self._wake, _WAKE_TTL_SECONDS)
             self._wake_renew_at = now + _WAKE_RENEW_SECONDS
         return bytes(entry)
 
