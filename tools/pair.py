@@ -48,6 +48,7 @@ SCENARIOS = {
     "short2k": ("short", 16, 2000, 8, 0),  # for --spy: enough samples of a response's path
     "s30long": ("streams", 30, 150, 150, 20),  # for --spy: s30 five times over
     "bg": ("bg", 16, 400, 8, 0),
+    "bg2k": ("bg", 16, 2000, 8, 0),  # for --spy
     "bg1s": ("bg", 64, 400, 8, 1000),  # each polled once, a second on (pace: the poll interval, ms)
     "poll": ("poll", 16, 2000, 8, 0),  # polls of one ended response (what a poll costs)
     "poll10k": ("poll", 16, 10000, 8, 0),  # for --spy
