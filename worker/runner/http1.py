@@ -255,6 +255,22 @@ class Body(httpx2.AsyncByteStream):
         self._is_closed = False
         self._drains = False
 
+    @property
+    def status(self) -> int:
+        """The answer's status code."""
+        return self._connection.status
+
+    def as_response(self, request: httpx2.Request | None = None) -> httpx2.Response:
+        """The answer as httpx's response, this its body."""
+        connection = self._connection
+        return httpx2.Response(
+            connection.status,
+            headers=connection.headers,
+            stream=self,
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason},
+        )
+
     async def read(self) -> bytes | None:
         """The body's next bytes as they came (None at its end); faults as httpx's."""
         connection = self._connection
@@ -351,7 +367,16 @@ class Http1Transport(httpx2.AsyncBaseTransport):
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         key = (url.host, url.port or 80)
-        request_bytes = _serialized(request, await request.aread())
+        body = await self.open(key, _serialized(request, await request.aread()), timeouts)
+        return body.as_response(request)
+
+    async def open(
+        self, key: tuple[str, int], request_bytes: bytes, timeouts: dict[str, float | None]
+    ) -> Body:
+        """Send a request already serialized (head and body) to `key` (host, port) on one of this
+        transport's connections: the body of its answer, once the answer's head has come (its status
+        and headers are the connection's). What a streamed upstream call uses without httpx's request
+        and response objects around it (worker/runner/upstream.py); httpx's faults, as ever."""
         await self._take_slot(timeouts.get("pool"))
         try:
             connection = await self._send(key, request_bytes, timeouts)
@@ -360,17 +385,10 @@ class Http1Transport(httpx2.AsyncBaseTransport):
             raise
         try:
             encoding = _header(connection.headers, b"content-encoding")
-            body = Body(self, key, connection, timeouts.get("read"), encoding)
+            return Body(self, key, connection, timeouts.get("read"), encoding)
         except BaseException:
             self._release(key, connection, reusable=False)
             raise
-        return httpx2.Response(
-            connection.status,
-            headers=connection.headers,
-            stream=body,
-            request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason},
-        )
 
     async def _send(
         self, key: tuple[str, int], request_bytes: bytes, timeouts: dict[str, float | None]

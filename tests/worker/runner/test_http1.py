@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx2
 import orjson
 import pytest
 
 from worker.errors import TransientUpstreamError
 from worker.routing import Route, UpstreamApi
-from worker.runner import http1
+from worker.runner import http1, upstream
 from worker.runner.upstream import CHAT_STREAM, RetryPolicy, create_client, stream_into, stream_json
 
 NO_RETRIES = RetryPolicy(retries=0)
@@ -339,3 +340,44 @@ async def test_a_cancel_while_a_body_is_pushed_closes_its_connection(peer: Peer)
         assert peer.open_now == 0
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        Route("m", UpstreamApi.CHAT, "http://127.0.0.1:8000/v1"),
+        Route("m", UpstreamApi.CHAT, "http://models.internal/a/v1", api_key_env="RESPOOL_TEST_UPSTREAM_KEY"),
+    ],
+    ids=["port", "key"],
+)
+async def test_a_call_on_the_own_transport_is_sent_as_httpx_would_send_it(
+    route: Route, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed call on this transport is serialized once, without httpx's request (`_Plain`):
+    byte for byte what httpx's request would have put on the wire (its head, host, length, key)."""
+    monkeypatch.setenv("RESPOOL_TEST_UPSTREAM_KEY", "sk-upstream")
+    client = create_client(60, 4)
+    try:
+        body = {**BODY, "messages": [{"role": "user", "content": "h\u00e9llo \u2603"}]}
+        plain = upstream._outgoing(client, route, "/chat/completions", body)
+        assert isinstance(plain, upstream._Plain)
+        request = upstream._build_request(client, route, "/chat/completions", body)
+        assert plain.request_bytes == http1._serialized(request, await request.aread())
+        assert plain.sent_key == upstream._sent_key(request) == (route.api_key() or "")
+        assert plain.timeouts["read"] is None  # the stall is the call's own bound (`_Silence`)
+    finally:
+        await client.aclose()
+
+
+async def test_a_call_another_transport_takes_is_httpx_s_request() -> None:
+    """TLS (aiohttp's transport), or a transport a test mounts, take httpx's request as before."""
+    client = create_client(60, 4)
+    mocked = create_client(60, 4, transport=httpx2.MockTransport(lambda request: httpx2.Response(200)))
+    try:
+        tls = Route("m", UpstreamApi.CHAT, "https://api.example/v1")
+        assert isinstance(upstream._outgoing(client, tls, "/responses", BODY), httpx2.Request)
+        plain = Route("m", UpstreamApi.CHAT, "http://127.0.0.1:8000/v1")
+        assert isinstance(upstream._outgoing(mocked, plain, "/responses", BODY), httpx2.Request)
+    finally:
+        await client.aclose()
+        await mocked.aclose()
