@@ -1,4 +1,5 @@
-"""Single statements on psycopg directly, from a pool of its own: the hot path's (issue 20).
+"""Single statements on psycopg directly, from a pool of its own: the hot path's (issue 20); the
+hottest of them on libpq itself (`Statement`, `run`).
 
 A response costs a few one-statement round trips to Postgres (the API's insert, the worker's start
 of an attempt and its final record, each poll's read). Through SQLAlchemy's asyncio engine each

@@ -113,7 +113,8 @@ _COLUMNS = (
 )
 
 
-# The hot statements, on psycopg directly (worker/postgres/direct.py): SQL written once, here.
+# The hot statements, on psycopg directly or on libpq itself (worker/postgres/direct.py): SQL
+# written once, here.
 _NEW_ROW = (
     "id",
     "owner",

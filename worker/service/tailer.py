@@ -274,9 +274,9 @@ class Tailer:
                 del self._subscribers[key]
 
     async def _poke(self) -> bytes:
-        """End the blocked read: one XADD to the wake-up stream, sent bare (a pipeline with the
-        key's expiry at every poke was a fifteenth of an API's CPU a short response); the id it
-        added. The expiry is renewed when due (and after Redis was away: it may be a new key)."""
+        """End the blocked read: one XADD to the wake-up stream, sent bare on a held connection (a
+        pipeline with the key's expiry at every poke was a fifteenth of an API's CPU a short
+        response); the id it added. The expiry is renewed when due (and after Redis was away: it may be a new key)."""
         entry = await self._pokes.command("XADD", self._wake, "MAXLEN", 10, "*", "w", 1)
         now = asyncio.get_running_loop().time()
         if now >= self._wake_renew_at:

@@ -53,13 +53,20 @@ async def test_a_connection_is_kept_and_reused(pool: DirectPool) -> None:
     assert await _backend(pool) == await _backend(pool)
 
 
-async def test_a_statement_cut_off_midway_holds_up_no_later_one(database: str) -> None:
+@pytest.mark.parametrize("through", ["psycopg", "libpq"])
+async def test_a_statement_cut_off_midway_holds_up_no_later_one(database: str, through: str) -> None:
+    """A statement whose task is cancelled leaves its connection mid-statement: closed, not handed
+    out again (the next statement is not behind it), through psycopg or on libpq itself (`direct.run`)."""
     pool = DirectPool(database, 1, wait_seconds=2)  # one connection: the next statement gets it back
+    sleep = direct.Statement("sleep", "SELECT pg_sleep(%(seconds)s)")
     try:
 
         async def sleeps() -> None:
             async with pool.connection() as conn:
-                await conn.execute("SELECT pg_sleep(30)")
+                if through == "libpq":
+                    await direct.run(conn, sleep, {"seconds": "30"})
+                else:
+                    await conn.execute("SELECT pg_sleep(30)")
 
         task = asyncio.create_task(sleeps())
         await asyncio.sleep(0.3)
@@ -302,27 +309,3 @@ async def test_a_failed_hot_statement_raises_as_psycopg_does_and_its_connection_
         view = await store.get_view(conn, response_id, "direct")
         assert view is not None and view.status == Status.QUEUED
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-
-
-async def test_a_hot_statement_cut_off_midway_holds_up_no_later_one(database: str) -> None:
-    """A statement on libpq whose task is cancelled leaves its connection mid-statement: closed, not
-    handed out again (the next statement is not behind it)."""
-    pool = DirectPool(database, 1, wait_seconds=2)
-    sleep = direct.Statement("sleep", "SELECT pg_sleep(%(seconds)s)")
-    try:
-
-        async def sleeps() -> None:
-            async with pool.connection() as conn:
-                await direct.run(conn, sleep, {"seconds": "30"})
-
-        task = asyncio.create_task(sleeps())
-        await asyncio.sleep(0.3)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        started = time.monotonic()
-        async with pool.connection() as conn:
-            assert await store.get_view(conn, "resp_unknown", "direct") is None
-        assert time.monotonic() - started < 2
-    finally:
-        await pool.close()
