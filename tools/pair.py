@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 import redis
 import uvloop
@@ -55,6 +56,10 @@ SCENARIOS = {
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
     "short1": ("short", 1, 10, 8, 0),  # ten short requests, one at a time (for --strace)
+    "bg1": ("bg", 1, 10, 8, 250),
+    # foreground short requests at a background response's rate in "bg" (each client waits 250 ms
+    # after each, as a background one's client waits for its poll): what a response costs at that rate
+    "short250": ("paced", 16, 400, 8, 250),  # ten background responses, one at a time (for --strace)
 }
 
 
@@ -161,6 +166,8 @@ async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
             build.polled = first.response_ids[0]
         polled = await load.polls(build.target, build.polled, count=count, concurrency=concurrency)
         return polled.polls, {"errors": polled.errors, "first_error": polled.first_error}
+    if kind == "paced":
+        return await _paced(build.target, concurrency, count, load.model_name(tokens, 0), pace / 1000)
     done = await load.short_count(
         build.target,
         background=kind == "bg",
@@ -172,6 +179,28 @@ async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
     return done.completed, {"errors": done.errors, "polls": done.polls, "first_error": done.first_error}
 
 
+async def _paced(
+    target: Target, concurrency: int, count: int, model: str, pause: float
+) -> tuple[int, dict[str, Any]]:
+    """Foreground short requests, `concurrency` at a time, each client waiting `pause` after each."""
+    body = orjson.dumps({"model": model, "input": "Hi."})
+    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
+    completed, errors = 0, 0
+    async with load.client(concurrency) as http:
+
+        async def one(index: int) -> None:
+            nonlocal completed, errors
+            reply = await http.post(target.url + "/responses", content=body, headers=headers)
+            if reply.status_code == 200 and orjson.loads(reply.content).get("status") == "completed":
+                completed += 1
+            else:
+                errors += 1
+            await asyncio.sleep(pause)
+
+        await load.closed_loop(concurrency, count, one, lambda: None)
+    return completed, {"errors": errors}
+
+
 async def main_async(args: argparse.Namespace) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="pair-"))
     log_dir = data_dir / "logs"
@@ -179,6 +208,7 @@ async def main_async(args: argparse.Namespace) -> None:
     children = Children(log_dir)
     rds = EmbeddedRedis.start(data_dir)
     pg = EmbeddedPostgres.start(data_dir)
+    own_redis = {"A": rds, "B": rds}
     try:
         from worker.postgres.migrate import migrate
 
@@ -191,6 +221,14 @@ async def main_async(args: argparse.Namespace) -> None:
             ) as connection:
                 connection.execute("ALTER SYSTEM SET log_statement = 'all'")
                 connection.execute("SELECT pg_reload_conf()")
+        if args.redis_env:  # B's own Redis, started with these in its environment
+            saved = dict(os.environ)
+            os.environ.update(item.partition("=")[::2] for item in args.redis_env)
+            try:
+                own_redis["B"] = EmbeddedRedis.start(data_dir / "b")
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
         base_env = {**os.environ, "RESPOOL_REDIS_URL": rds.url, "RESPOOL_DATABASE_URL": pg.url}
         for key in ("RESPOOL_API_KEYS", "RESPOOL_WEBHOOK_URL", "RESPOOL_CONFIG", "RESPOOL_MAX_QUEUE_DEPTH"):
             base_env.pop(key, None)
@@ -208,6 +246,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 "RESPOOL_UPSTREAM_API": "chat",
                 "RESPOOL_QUEUE": f"pair-{name}",
                 "RESPOOL_ACCESS_LOG": "false",
+                "RESPOOL_REDIS_URL": own_redis[name].url,
             }
             if args.perf:
                 env["PYTHONPERFSUPPORT"] = "1"
@@ -219,8 +258,11 @@ async def main_async(args: argparse.Namespace) -> None:
             builds.append(Build(name, Path(tree), env, children))
         for build in builds:
             build.start()
-        r = redis.Redis.from_url(rds.url)
-        servers = {"redis": psutil.Process(rds.process.pid), "pg": psutil.Process(pg.process.pid)}
+        clients = {name: redis.Redis.from_url(server.url) for name, server in own_redis.items()}
+        servers = {
+            name: {"redis": psutil.Process(server.process.pid), "pg": psutil.Process(pg.process.pid)}
+            for name, server in own_redis.items()
+        }
         direct = Target("direct", upstream_url, Api.CHAT)
         for build in builds:  # warm up
             # As many at once as the largest scenario: every pool has grown before anything is measured.
@@ -248,9 +290,9 @@ async def main_async(args: argparse.Namespace) -> None:
                     spies = _spy(args, build, name) if round_ == 0 and build.name == "A" else []
                     if spies:
                         await asyncio.sleep(1.0)  # attached
-                    before = read_all(build, servers, r)
+                    before = read_all(build, servers[build.name], clients[build.name])
                     units, summary = await scenario(build, name)
-                    after = read_all(build, servers, r)
+                    after = read_all(build, servers[build.name], clients[build.name])
                     for spy in spies:
                         spy.send_signal(signal.SIGINT if not args.strace else signal.SIGTERM)
                         spy.wait()
@@ -305,6 +347,8 @@ async def main_async(args: argparse.Namespace) -> None:
     finally:
         children.stop_all()
         pg.stop()
+        if own_redis["B"] is not rds:
+            own_redis["B"].stop()
         rds.stop()
         if not args.keep:
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -325,7 +369,8 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
         calls = "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev"
         tool, suffix = ["strace", "-f", "-tt", "-e", calls, "-s", "64", "-o"], "strace"
     elif args.perf:
-        graph = ["--call-graph", "dwarf,32768", "-F", "149"] if args.dwarf else ["-g", "-F", "499"]
+        freq = str(args.freq or (149 if args.dwarf else 499))
+        graph = ["--call-graph", "dwarf,32768", "-F", freq] if args.dwarf else ["-g", "-F", freq]
         tool, suffix = ["perf", "record", *graph, "-o"], "perf"
     else:
         how = ["--native"] if args.native else ["--nonblocking", *(["--gil"] if args.gil else [])]
@@ -389,6 +434,13 @@ def main() -> None:
         action="store_true",
         help="with --perf: unwind by DWARF (Python's frames through libpython)",
     )
+    parser.add_argument(
+        "--redis-env",
+        action="append",
+        default=[],
+        help="NAME=value: B gets a Redis of its own, started with this in its environment",
+    )
+    parser.add_argument("--freq", type=int, help="with --perf: samples a second (149 with --dwarf, else 499)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
     args = parser.parse_args()

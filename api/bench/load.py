@@ -330,10 +330,18 @@ class Counted:
 
 
 async def short_count(
-    target: Target, *, background: bool, count: int, concurrency: int, model: str, poll_seconds: float
+    target: Target,
+    *,
+    background: bool,
+    count: int,
+    concurrency: int,
+    model: str,
+    poll_seconds: float,
+    pause_seconds: float = 0.0,
 ) -> Counted:
     """`count` short requests, `concurrency` at a time: foreground, or background created then
-    polled every `poll_seconds` until it ended."""
+    polled every `poll_seconds` until it ended. With `pause_seconds`, each client waits that long
+    after each foreground request (at a background response's rate: its client waits for its poll)."""
     result = Counted()
     headers = {"content-type": "application/json", "authorization": "Bearer bench"}
     body = _short_body(target, model, background)
@@ -359,6 +367,8 @@ async def short_count(
             else:
                 result.errors += 1
                 result.first_error = result.first_error or status
+            if pause_seconds and not background:
+                await asyncio.sleep(pause_seconds)
 
         await closed_loop(concurrency, count, one, lambda: None)
     return result

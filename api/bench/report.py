@@ -76,6 +76,9 @@ def rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             figures[f"CPU µs per token @{level}"] = _get(system, "cpu", "streams", str(level), "us_per_token")
         figures["CPU ms per short request"] = _get(system, "cpu", "foreground", "ms_per_response")
         figures["CPU ms per background response"] = _get(system, "cpu", "background", "ms_per_response")
+        figures["CPU ms per short request, at the background rate"] = _get(
+            system, "cpu", "foreground_paced", "ms_per_response"
+        )
         figures["CPU ms per poll"] = _get(system, "cpu", "ms_per_poll")
         idle = _get(system, "cpu", "idle_cores")
         figures["idle CPU (% of a core)"] = None if idle is None else round(idle * 100, 2)

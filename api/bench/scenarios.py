@@ -10,8 +10,10 @@ the same machine at the same moment:
    and create + wait for the webhook that tells the response ended (api/bench/told.py);
 5. what each proxy costs in CPU (api/bench/cpu.py; issue 20): its whole process tree's CPU time per
    relayed token at 30 and 100 streams (150 tokens 20 ms apart), per short foreground request and
-   per background response (its polls' cost taken out, and one poll's cost beside it), its idle
-   cost subtracted; and the load generator's own CPU per token.
+   per background response (its polls' cost taken out, and one poll's cost beside it) and per short
+   foreground request at the background responses' rate (each client waiting as long as a
+   background one waits for its poll), its idle cost subtracted; and the load generator's own CPU
+   per token.
 """
 
 from __future__ import annotations
@@ -267,8 +269,14 @@ async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any
                 "load_us_per_token": cpu.per_unit(used["load"], tokens, 1e6),
             }
         model = load.model_name(plan.short_tokens, 0)
-        modes = [False, True] if target.name.startswith("respool") else [False]
-        for background in modes:
+        # (kind, background, each foreground client's pause after each request)
+        modes = [("foreground", False, 0.0)]
+        if target.name.startswith("respool"):
+            # A background response's clients wait for their polls: their responses come a few at a
+            # time, where foreground clients keep the system busy. The same foreground requests at
+            # that rate tell the rate's share of a background response's cost from its own.
+            modes += [("background", True, 0.0), ("foreground_paced", False, plan.poll_seconds)]
+        for kind, background, pause in modes:
             before = cpu.read(trees)
             done = await load.short_count(
                 target,
@@ -277,9 +285,9 @@ async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any
                 concurrency=plan.cost_concurrency,
                 model=model,
                 poll_seconds=plan.poll_seconds,
+                pause_seconds=pause,
             )
             used = cpu.spent(before, cpu.read(trees), idle)
-            kind = "background" if background else "foreground"
             result[kind] = {
                 "completed": done.completed,
                 "errors": done.errors,

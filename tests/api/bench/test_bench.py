@@ -137,6 +137,8 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
             if name.startswith("respool"):
                 assert cost["background"]["errors"] == 0 and cost["ms_per_poll"] > 0, cost
                 assert cost["background"]["ms_per_response"] is not None, cost
+                paced = cost["foreground_paced"]  # foreground requests at the background rate
+                assert paced["errors"] == 0 and paced["completed"] > 0 and paced["ms_per_response"] > 0, cost
         else:
             assert "cpu" not in system  # the upstream stands for the GPU: its cost is not measured
     assert result["systems"]["respool (2 workers)"]["memory"]["processes"] == {"api": 1, "workers": 2}
