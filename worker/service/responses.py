@@ -584,10 +584,14 @@ class ResponseService:
         """Hold a foreground request, just created here, until its terminal event, and return its
         Response."""
         try:
-            async for event in self.tailer.follow(response_id, is_new=True):
-                if event is not None and event.is_terminal:
-                    response: dict[str, Any] = event.payload()["response"]
-                    return response
+            # Closed here, at its terminal event: a generator left to the collector is closed by a
+            # task of its own, that the loop's finalizer hook wakes the loop to start (an eventfd
+            # write and read, a wake-up and a task a foreground request).
+            async with contextlib.aclosing(self.tailer.follow(response_id, is_new=True)) as events:
+                async for event in events:
+                    if event is not None and event.is_terminal:
+                        response: dict[str, Any] = event.payload()["response"]
+                        return response
         except Exception as exc:
             if not is_redis_outage(exc):
                 raise
