@@ -584,14 +584,7 @@ class ResponseService:
         """Hold a foreground request, just created here, until its terminal event, and return its
         Response."""
         try:
-            # Closed here, at its terminal event: a generator left to the collector is closed by a
-            # task of its own, that the loop's finalizer hook wakes the loop to start (an eventfd
-            # write and read, a wake-up and a task a foreground request).
-            async with contextlib.aclosing(self.tailer.follow(response_id, is_new=True)) as events:
-                async for event in events:
-                    if event is not None and event.is_terminal:
-                        response: dict[str, Any] = event.payload()["response"]
-                        return response
+            terminal = await self.tailer.terminal(response_id, is_new=True)
         except Exception as exc:
             if not is_redis_outage(exc):
                 raise
@@ -599,9 +592,12 @@ class ResponseService:
                 f"Response '{response_id}' was accepted, but its events became unavailable while "
                 "waiting for it; retrieve it by id shortly."
             ) from exc
-        raise UnavailableAfterCommitError(
-            f"The event stream of response '{response_id}' ended without a terminal event; retrieve it by id."
-        )
+        if terminal is None:
+            raise UnavailableAfterCommitError(
+                f"The event stream of response '{response_id}' ended without a terminal event; retrieve it by id."
+            )
+        response: dict[str, Any] = terminal.payload()["response"]
+        return response
 
     async def input_items(
         self, owner: str, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]

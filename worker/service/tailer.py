@@ -251,6 +251,18 @@ class Tailer:
                 timer.cancel()
             self._unsubscribe(response_id, subscriber)
 
+    async def terminal(self, response_id: str, *, is_new: bool = False) -> Event | None:
+        """The response's terminal event, once it comes (None if its stream ends without one), as
+        `follow` brings it. Its follow is closed here, at that event: a generator left to the collector
+        is closed by a task of its own, that the loop's finalizer hook wakes the loop to start (an
+        eventfd's write and read, a wake-up and a task each foreground request: paired, 0.905 of its
+        CPU at a background response's rate, issue 20)."""
+        async with contextlib.aclosing(self.follow(response_id, is_new=is_new)) as events:
+            async for event in events:
+                if event is not None and event.is_terminal:
+                    return event
+        return None
+
     async def _subscribe(self, response_id: str, position: int) -> _Subscriber:
         """A subscriber to the response's events after `position`, in the tailer's next read."""
         subscriber = _Subscriber(position, taken_at=asyncio.get_running_loop().time())

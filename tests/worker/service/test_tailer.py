@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -333,4 +335,34 @@ async def test_a_finished_responses_end_appended_after_its_replay_read_is_relaye
         got = [event.sequence_number async for event in events if event is not None]
         assert got == [0, 1, 2, 3]
     finally:
+        await tailer.stop()
+
+
+async def test_the_wait_for_a_terminal_event_closes_its_follow_itself(backing: Servers, redis: Redis) -> None:
+    """A foreground create's wait (`terminal`): its follow ends where the terminal event came, not
+    later by the loop's finalizer hook (a generator left to the collector is closed by a task of its
+    own, which the hook wakes the loop through its eventfd to start)."""
+    tailer = await _tailer(backing, redis, batch_seconds=0)
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    left: list[str] = []
+
+    def finalize(generator: AsyncGenerator[Any]) -> None:
+        left.append(generator.__qualname__)
+        if finalizer is not None:
+            finalizer(generator)
+
+    sys.set_asyncgen_hooks(firstiter, finalize)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        waiting = asyncio.create_task(tailer.terminal(response_id, is_new=True))
+        await asyncio.sleep(0.05)  # it follows, live
+        await _append(redis, response_id, 1, "response.in_progress")
+        await _append(redis, response_id, 2, "response.completed")
+        terminal = await asyncio.wait_for(waiting, 10)
+        assert terminal is not None and terminal.sequence_number == 2
+        gc.collect()
+        assert "Tailer.follow" not in left
+    finally:
+        sys.set_asyncgen_hooks(firstiter, finalizer)
         await tailer.stop()
