@@ -48,6 +48,7 @@ SCENARIOS = {
     "short": ("short", 16, 400, 8, 0),
     "short2k": ("short", 16, 2000, 8, 0),  # for --spy: enough samples of a response's path
     "s30long": ("streams", 30, 150, 150, 20),  # for --spy: s30 five times over
+    "s30x600": ("streams", 30, 30, 600, 20),  # s30's streams four times as long: a response's share apart
     "bg": ("bg", 16, 400, 8, 0),
     "bg2k": ("bg", 16, 2000, 8, 0),  # for --spy
     "bg1s": ("bg", 64, 400, 8, 1000),  # each polled once, a second on (pace: the poll interval, ms)
