@@ -134,14 +134,18 @@ async def finish_attempt(
     return status
 
 
-async def due(conn: AsyncConnection, endpoints: Sequence[str], limit: int) -> list[str]:
-    """Pending deliveries to `endpoints` whose next attempt is due, oldest first."""
+async def due(
+    conn: AsyncConnection, endpoints: Sequence[str], limit: int, settled_seconds: float = 0.0
+) -> list[str]:
+    """Pending deliveries to `endpoints` whose next attempt is due, oldest first; of those never
+    tried, only those recorded at least `settled_seconds` ago."""
     found = await conn.execute(
         text(
             "SELECT id FROM webhook_delivery WHERE status = 'pending' AND next_attempt_at <= now() "
+            "AND (attempts > 0 OR created_at <= now() - make_interval(secs => :settled)) "
             "AND endpoint = ANY(:endpoints) ORDER BY next_attempt_at LIMIT :limit"
         ),
-        {"endpoints": list(endpoints), "limit": limit},
+        {"endpoints": list(endpoints), "limit": limit, "settled": settled_seconds},
     )
     return list(found.scalars())
 

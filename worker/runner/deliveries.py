@@ -48,6 +48,13 @@ BUSY_WAIT_SECONDS = 2.0  # how long a delivery waits for its endpoint's slot
 BUSY_SECONDS = 1.0  # how long it is then put off
 BUSY_POLL_SECONDS = 0.05  # how often a slot held by another worker is asked for again
 SWEEP_BATCH = 500
+# A delivery recorded with a response's end is queued by whoever recorded it, right after its commit
+# (`Notifier.send`); the sweep queues only those recorded at least this long ago (the send failed,
+# or its process died between the two). Sooner, the sweep of another worker, finding no job for one
+# whose send was under way, queued it a second time: two jobs of one id, the second of which found
+# the first's record gone at its end (seen with two workers, a few times a run of the bench's
+# webhooks scenario; the delivery itself went once, its claim being atomic).
+SEND_SETTLE_SECONDS = 5.0
 _HELD = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
 
 
@@ -197,10 +204,12 @@ async def queue_due(
     notifier: Notifier,
     statuses: Callable[[Sequence[str]], dict[str, JobStatus | None]],
     max_age_seconds: float | None,
+    settled_seconds: float = SEND_SETTLE_SECONDS,
 ) -> int:
     """Queue an attempt of every pending delivery to an endpoint this process configures that is
-    due and has no live job; give up those past `max_age_seconds` (if given) that nobody sends. How
-    many were queued. `engine` runs each statement as its own transaction (store.single_statements)."""
+    due and has no live job (one never tried, if it was recorded `settled_seconds` ago or more: its
+    recorder queues it itself); give up those past `max_age_seconds` (if given) that nobody sends.
+    How many were queued. `engine` runs each statement as its own transaction (store.single_statements)."""
     names = [endpoint.name for endpoint in notifier.endpoints]
     if max_age_seconds is None and not names:
         return 0
@@ -209,7 +218,7 @@ async def queue_due(
             log.warning(
                 "webhook deliveries past RESPOOL_WEBHOOK_MAX_AGE_SECONDS that nobody sent were given up"
             )
-        due = await deliveries.due(conn, names, SWEEP_BATCH) if names else []
+        due = await deliveries.due(conn, names, SWEEP_BATCH, settled_seconds) if names else []
     if not due:
         return 0
     held = await asyncio.to_thread(statuses, due)

@@ -16,12 +16,14 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 import pytest
 from redis import Redis
+from rq.job import Job, JobStatus
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
@@ -32,7 +34,8 @@ from worker.errors import ConfigError
 from worker.keys import attempt_key, held_key, lease_key, queue_key, queued_key, taking_key, workers_key
 from worker.postgres import deliveries
 from worker.postgres.store import async_url
-from worker.runner.deliveries import Deliverer
+from worker.queue import job_statuses
+from worker.runner.deliveries import Deliverer, queue_due
 from worker.runner.recovery import GIVEN_UP, end_orphans, take_back
 from worker.runner.runtime import close_runtime, open_runtime
 from worker.settings import Settings
@@ -366,3 +369,34 @@ async def test_a_receiver_that_does_not_answer_in_time_is_an_attempt_failed(
     assert (told["status"], attempt["status_code"]) == ("pending", None)
     assert attempt["error"] == "no answer within 0.5 s"
     assert 400 <= attempt["duration_ms"] < 3000
+
+
+async def test_a_delivery_just_recorded_is_left_to_its_recorder_to_queue(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever records a delivery with a response's end queues it right after the commit; the sweep,
+    finding no job for one, queues it only once it has settled (SEND_SETTLE_SECONDS): sooner,
+    another worker's sweep queued it a second time while its send was under way."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"settle").decode())
+    orphan = f"resp_{settings.queue.replace('-', '')}settle"
+    _insert_live(settings.database_url, "queued", [orphan])
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(
+            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
+        )
+        assert await _sweep(backing, hooked, pages=4) == 1  # its delivery recorded, and queued
+        rt = await open_runtime(hooked, "test:settle", 1)
+        try:
+            async with rt.engine.connect() as conn:
+                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+            jobs = rt.notifier.queue
+            assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
+            jobs.remove(delivery_id)  # as if its send were still under way: no job yet
+            jobs.connection.delete(Job.key_for(delivery_id))
+            statuses = partial(job_statuses, jobs)
+            assert await queue_due(rt.autocommit, rt.notifier, statuses, None) == 0
+            assert job_statuses(jobs, [delivery_id]) == {delivery_id: None}
+            assert await queue_due(rt.autocommit, rt.notifier, statuses, None, settled_seconds=0) == 1
+            assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
+        finally:
+            await close_runtime(rt)
