@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psutil
 import redis
 import uvloop
@@ -167,39 +166,17 @@ async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
             build.polled = first.response_ids[0]
         polled = await load.polls(build.target, build.polled, count=count, concurrency=concurrency)
         return polled.polls, {"errors": polled.errors, "first_error": polled.first_error}
-    if kind == "paced":
-        return await _paced(build.target, concurrency, count, load.model_name(tokens, 0), pace / 1000)
+    paced = kind == "paced"
     done = await load.short_count(
         build.target,
         background=kind == "bg",
         count=count,
         concurrency=concurrency,
         model=load.model_name(tokens, 0),
-        poll_seconds=pace / 1000 if pace else 0.25,
+        poll_seconds=pace / 1000 if pace and not paced else 0.25,
+        pause_seconds=pace / 1000 if paced else 0.0,
     )
     return done.completed, {"errors": done.errors, "polls": done.polls, "first_error": done.first_error}
-
-
-async def _paced(
-    target: Target, concurrency: int, count: int, model: str, pause: float
-) -> tuple[int, dict[str, Any]]:
-    """Foreground short requests, `concurrency` at a time, each client waiting `pause` after each."""
-    body = orjson.dumps({"model": model, "input": "Hi."})
-    headers = {"content-type": "application/json", "authorization": "Bearer bench"}
-    completed, errors = 0, 0
-    async with load.client(concurrency) as http:
-
-        async def one(index: int) -> None:
-            nonlocal completed, errors
-            reply = await http.post(target.url + "/responses", content=body, headers=headers)
-            if reply.status_code == 200 and orjson.loads(reply.content).get("status") == "completed":
-                completed += 1
-            else:
-                errors += 1
-            await asyncio.sleep(pause)
-
-        await load.closed_loop(concurrency, count, one, lambda: None)
-    return completed, {"errors": errors}
 
 
 async def main_async(args: argparse.Namespace) -> None:
