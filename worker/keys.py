@@ -6,6 +6,9 @@ on Redis Cluster; per-owner quota keys hash-tag the owner.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
+
 PREFIX = "respool"
 
 
@@ -121,6 +124,13 @@ def taking_key(queue: str, worker: str) -> str:
 def registries_lock_key(queue: str) -> str:
     """Held (PX) by the one worker handling RQ's abandoned delivery jobs of `queue` now (worker/runner/worker.py)."""
     return f"{PREFIX}:registries:{queue}"
+
+
+def due_lock_key(queue: str, endpoints: Sequence[str]) -> str:
+    """Held (PX) by the one worker queueing the due webhook deliveries of `queue` to `endpoints` now
+    (worker/runner/deliveries.py, `queue_due`): workers that configure the same endpoints share it."""
+    digest = hashlib.sha1("\n".join(sorted(endpoints)).encode()).hexdigest()[:16]
+    return f"{PREFIX}:deliveries-due:{queue}:{digest}"
 
 
 def sweep_lock_key(queue: str) -> str:

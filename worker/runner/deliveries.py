@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.errors import ConfigError, OutboundRefusedError
 from worker.ids import new_id
-from worker.keys import webhook_slots_key
+from worker.keys import due_lock_key, webhook_slots_key
 from worker.outbound import OutboundPolicy, guard_transport
 from worker.postgres import deliveries, store
 from worker.postgres.deliveries import Delivery
@@ -205,14 +205,25 @@ async def queue_due(
     statuses: Callable[[Sequence[str]], dict[str, JobStatus | None]],
     max_age_seconds: float | None,
     settled_seconds: float = SEND_SETTLE_SECONDS,
+    *,
+    holder: str | None = None,
+    lock_ms: int = 0,
 ) -> int:
     """Queue an attempt of every pending delivery to an endpoint this process configures that is
     due and has no live job (one never tried, if it was recorded `settled_seconds` ago or more: its
     recorder queues it itself); give up those past `max_age_seconds` (if given) that nobody sends.
-    How many were queued. `engine` runs each statement as its own transaction (store.single_statements)."""
+    How many were queued. `engine` runs each statement as its own transaction (store.single_statements).
+
+    With a `holder`, only if it takes the lock of the workers that configure the same endpoints for
+    `lock_ms` (a sweep's period): two workers' sweeps at once would each find a due delivery without
+    a job, and each queue it."""
     names = [endpoint.name for endpoint in notifier.endpoints]
     if max_age_seconds is None and not names:
         return 0
+    if holder is not None:
+        key = due_lock_key(notifier.queue.name, names)
+        if not await notifier.redis.set(key, holder, nx=True, px=lock_ms):
+            return 0
     async with engine.connect() as conn:
         if max_age_seconds is not None and await deliveries.give_up_expired(conn, max_age_seconds):
             log.warning(

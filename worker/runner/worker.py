@@ -403,17 +403,18 @@ class ResponseWorker(BaseWorker):
                 self._retention_at = now + retention_seconds(self._settings)
             if rare:
                 self._rare_at = now + rare_seconds(self._settings)
-        if rare:
-            lock_ms = int(self._settings.maintenance_seconds * 1000)
-            if await self._runtime.redis.set(
-                registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
-            ):
-                await asyncio.to_thread(self._clean_registries)
+        lock_ms = int(self._settings.maintenance_seconds * 1000)
+        if rare and await self._runtime.redis.set(
+            registries_lock_key(self._settings.queue), self.name, nx=True, px=lock_ms
+        ):
+            await asyncio.to_thread(self._clean_registries)
         await queue_due(
             self._runtime.autocommit,
             self._runtime.notifier,
             self._delivery_statuses,
             self._settings.webhook_max_age_seconds if rare else None,
+            holder=self.name,
+            lock_ms=lock_ms,
         )
 
     def _clean_registries(self) -> None:

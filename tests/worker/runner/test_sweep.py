@@ -9,11 +9,14 @@ would end the orphans first (and the counts these tests assert would be theirs).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import ipaddress
 import socket
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from functools import partial
@@ -398,5 +401,45 @@ async def test_a_delivery_just_recorded_is_left_to_its_recorder_to_queue(
             assert job_statuses(jobs, [delivery_id]) == {delivery_id: None}
             assert await queue_due(rt.autocommit, rt.notifier, statuses, None, settled_seconds=0) == 1
             assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
+        finally:
+            await close_runtime(rt)
+
+
+async def test_workers_alike_queue_a_due_delivery_once(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers' sweeps at once, each finding a due delivery without a job: the one that takes the
+    lock of the workers configuring the same endpoints queues it; the other, nothing."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"alike").decode())
+    orphan = f"resp_{settings.queue.replace('-', '')}alike"
+    _insert_live(settings.database_url, "queued", [orphan])
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(
+            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
+        )
+        assert await _sweep(backing, hooked, pages=4) == 1
+        rt = await open_runtime(hooked, "test:alike", 1)
+        try:
+            async with rt.engine.connect() as conn:
+                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+            jobs = rt.notifier.queue
+            jobs.remove(delivery_id)  # its send failed: no job
+            jobs.connection.delete(Job.key_for(delivery_id))
+            both_read = threading.Barrier(2)
+
+            def statuses(ids: Sequence[str]) -> dict[str, JobStatus | None]:
+                """RQ's word, then a wait for the other sweep's (1 s at most): both read before
+                either queues, as two sweeps at once do."""
+                found = job_statuses(jobs, list(ids))
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_read.wait(timeout=1)
+                return found
+
+            sweeps = [
+                queue_due(rt.autocommit, rt.notifier, statuses, None, 0, holder=worker, lock_ms=2000)
+                for worker in ("worker-a", "worker-b")
+            ]
+            assert sorted(await asyncio.gather(*sweeps)) == [0, 1]
+            assert jobs.get_job_ids().count(delivery_id) == 1
         finally:
             await close_runtime(rt)
