@@ -16,7 +16,7 @@ import ipaddress
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from functools import partial
@@ -40,7 +40,7 @@ from worker.postgres.store import async_url
 from worker.queue import job_statuses
 from worker.runner.deliveries import Deliverer, queue_due
 from worker.runner.recovery import GIVEN_UP, end_orphans, take_back
-from worker.runner.runtime import close_runtime, open_runtime
+from worker.runner.runtime import Runtime, close_runtime, open_runtime
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -374,35 +374,46 @@ async def test_a_receiver_that_does_not_answer_in_time_is_an_attempt_failed(
     assert 400 <= attempt["duration_ms"] < 3000
 
 
+@contextlib.asynccontextmanager
+async def _unqueued_delivery(
+    backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch, name: str
+) -> AsyncIterator[tuple[Runtime, str]]:
+    """A background orphan's delivery, recorded as the sweep ends it and queued by the sweep's
+    process, then taken out of RQ (as if its send were under way, or had failed): a runtime with
+    its endpoint, and the delivery's id."""
+    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(name.encode()).decode())
+    _insert_live(settings.database_url, "queued", [f"resp_{settings.queue.replace('-', '')}{name}"])
+    with Receiver.start() as receiver:
+        hooked = settings.model_copy(
+            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
+        )
+        assert await _sweep(backing, hooked, pages=4) == 1
+        rt = await open_runtime(hooked, f"test:{name}", 1)
+        try:
+            async with rt.engine.connect() as conn:
+                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
+            jobs = rt.notifier.queue
+            assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
+            jobs.remove(delivery_id)
+            jobs.connection.delete(Job.key_for(delivery_id))
+            yield rt, delivery_id
+        finally:
+            await close_runtime(rt)
+
+
 async def test_a_delivery_just_recorded_is_left_to_its_recorder_to_queue(
     backing: Servers, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whoever records a delivery with a response's end queues it right after the commit; the sweep,
     finding no job for one, queues it only once it has settled (SEND_SETTLE_SECONDS): sooner,
     another worker's sweep queued it a second time while its send was under way."""
-    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"settle").decode())
-    orphan = f"resp_{settings.queue.replace('-', '')}settle"
-    _insert_live(settings.database_url, "queued", [orphan])
-    with Receiver.start() as receiver:
-        hooked = settings.model_copy(
-            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
-        )
-        assert await _sweep(backing, hooked, pages=4) == 1  # its delivery recorded, and queued
-        rt = await open_runtime(hooked, "test:settle", 1)
-        try:
-            async with rt.engine.connect() as conn:
-                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
-            jobs = rt.notifier.queue
-            assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
-            jobs.remove(delivery_id)  # as if its send were still under way: no job yet
-            jobs.connection.delete(Job.key_for(delivery_id))
-            statuses = partial(job_statuses, jobs)
-            assert await queue_due(rt.autocommit, rt.notifier, statuses, None) == 0
-            assert job_statuses(jobs, [delivery_id]) == {delivery_id: None}
-            assert await queue_due(rt.autocommit, rt.notifier, statuses, None, settled_seconds=0) == 1
-            assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
-        finally:
-            await close_runtime(rt)
+    async with _unqueued_delivery(backing, settings, monkeypatch, "settle") as (rt, delivery_id):
+        jobs = rt.notifier.queue
+        statuses = partial(job_statuses, jobs)
+        assert await queue_due(rt.autocommit, rt.notifier, statuses, None) == 0
+        assert job_statuses(jobs, [delivery_id]) == {delivery_id: None}
+        assert await queue_due(rt.autocommit, rt.notifier, statuses, None, settled_seconds=0) == 1
+        assert job_statuses(jobs, [delivery_id]) == {delivery_id: JobStatus.QUEUED}
 
 
 async def test_workers_alike_queue_a_due_delivery_once(
@@ -410,36 +421,21 @@ async def test_workers_alike_queue_a_due_delivery_once(
 ) -> None:
     """Two workers' sweeps at once, each finding a due delivery without a job: the one that takes the
     lock of the workers configuring the same endpoints queues it; the other, nothing."""
-    monkeypatch.setenv("RESPOOL_WEBHOOK_SECRET", "whsec_" + base64.b64encode(b"alike").decode())
-    orphan = f"resp_{settings.queue.replace('-', '')}alike"
-    _insert_live(settings.database_url, "queued", [orphan])
-    with Receiver.start() as receiver:
-        hooked = settings.model_copy(
-            update={"webhook_url": receiver.url, "outbound_allowlist": receiver.host_port}
-        )
-        assert await _sweep(backing, hooked, pages=4) == 1
-        rt = await open_runtime(hooked, "test:alike", 1)
-        try:
-            async with rt.engine.connect() as conn:
-                (delivery_id,) = await deliveries.due(conn, ["default"], 10)
-            jobs = rt.notifier.queue
-            jobs.remove(delivery_id)  # its send failed: no job
-            jobs.connection.delete(Job.key_for(delivery_id))
-            both_read = threading.Barrier(2)
+    async with _unqueued_delivery(backing, settings, monkeypatch, "alike") as (rt, delivery_id):
+        jobs = rt.notifier.queue
+        both_read = threading.Barrier(2)
 
-            def statuses(ids: Sequence[str]) -> dict[str, JobStatus | None]:
-                """RQ's word, then a wait for the other sweep's (1 s at most): both read before
-                either queues, as two sweeps at once do."""
-                found = job_statuses(jobs, list(ids))
-                with contextlib.suppress(threading.BrokenBarrierError):
-                    both_read.wait(timeout=1)
-                return found
+        def statuses(ids: Sequence[str]) -> dict[str, JobStatus | None]:
+            """RQ's word, then a wait for the other sweep's (1 s at most): both read before either
+            queues, as two sweeps at once do."""
+            found = job_statuses(jobs, list(ids))
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_read.wait(timeout=1)
+            return found
 
-            sweeps = [
-                queue_due(rt.autocommit, rt.notifier, statuses, None, 0, holder=worker, lock_ms=2000)
-                for worker in ("worker-a", "worker-b")
-            ]
-            assert sorted(await asyncio.gather(*sweeps)) == [0, 1]
-            assert jobs.get_job_ids().count(delivery_id) == 1
-        finally:
-            await close_runtime(rt)
+        sweeps = [
+            queue_due(rt.autocommit, rt.notifier, statuses, None, 0, holder=worker, lock_ms=2000)
+            for worker in ("worker-a", "worker-b")
+        ]
+        assert sorted(await asyncio.gather(*sweeps)) == [0, 1]
+        assert jobs.get_job_ids().count(delivery_id) == 1
