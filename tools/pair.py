@@ -276,6 +276,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         spy.wait()
                     row = {key: after[key] - before.get(key, 0.0) for key in after}
                     row["units"] = units
+                    row["polls"] = float(summary.get("polls") or 0)
                     if name == "ttft" and direct_ttft is not None:
                         row["added_ttft_ms"] = summary["ttft_ms"]["p50"] - direct_ttft
                     if SCENARIOS[name][0] == "streams":
@@ -285,6 +286,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     results.setdefault((build.name, name), []).append(row)
                     print(f"  round {round_ + 1} {build.name} {name}: {_line(name, row)}", flush=True)
         print("\nmedians over rounds (per token: µs; per response: ms)")
+        kept: dict[tuple[str, str], dict[str, float]] = {}
         for name in args.scen.split(","):
             medians = {}
             for build in builds:
@@ -293,6 +295,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 medians[build.name] = {
                     key: statistics.median(row.get(key, 0.0) for row in rows) for key in keys
                 }
+                kept[(build.name, name)] = medians[build.name]
                 print(f"{name:6} {build.name}: {_line(name, medians[build.name])}")
                 if args.commands:
                     units = max(1.0, medians[build.name]["units"])
@@ -322,6 +325,21 @@ async def main_async(args: argparse.Namespace) -> None:
                     )
             a, b = _total(name, medians["A"]), _total(name, medians["B"])
             print(f"{name:6} B/A: {b / a:.3f}" if a else "")
+        scenarios = args.scen.split(",")
+        for name in scenarios:
+            if SCENARIOS[name][0] != "bg" or "poll" not in scenarios:
+                continue
+            # As the bench reads a background response: its polls' cost (the poll scenario's) out.
+            alone = {}
+            for build in builds:
+                row, per_poll = kept[(build.name, name)], _total("poll", kept[(build.name, "poll")])
+                polls = row["polls"] / max(1.0, row["units"])
+                alone[build.name] = _total(name, row) - polls * per_poll
+                print(
+                    f"{name:6} {build.name}: {alone[build.name]:.2f} without its polls "
+                    f"({polls:.2f} a response, {per_poll:.3f} each)"
+                )
+            print(f"{name:6} without its polls, B/A: {alone['B'] / alone['A']:.3f}")
     finally:
         children.stop_all()
         pg.stop()
