@@ -94,8 +94,11 @@ def tree_times(root: psutil.Process) -> tuple[float, float]:
 
 
 class Build:
-    def __init__(self, name: str, tree: Path, env: dict[str, str], children: Children) -> None:
+    def __init__(
+        self, name: str, tree: Path, env: dict[str, str], children: Children, python: str | None = None
+    ) -> None:
         self.name, self.tree, self.env, self.children = name, tree, env, children
+        self.python = python or str(HERE / ".venv/bin/python")  # its API's and worker's interpreter
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.target = Target(name, self.url, Api.RESPONSES)
@@ -106,7 +109,7 @@ class Build:
         # sys.path, before PYTHONPATH).
         tree = str(self.tree)
         run = f"import runpy, sys; sys.path[0] = {tree!r}; runpy.run_module('api', run_name='__main__', alter_sys=True)"
-        py_m = [str(HERE / ".venv/bin/python"), "-c", run]
+        py_m = [self.python, "-c", run]
         self.api = self.children.spawn(
             f"{self.name}-api",
             [*py_m, "api", "--host", "127.0.0.1", "--port", str(self.port)],
@@ -233,7 +236,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 if prefix == name:
                     key, _, value = assignment.partition("=")
                     env[key] = value
-            builds.append(Build(name, Path(tree), env, children))
+            python = args.python_b if name == "B" else None
+            builds.append(Build(name, Path(tree), env, children, python))
         for build in builds:
             build.start()
         clients = {name: redis.Redis.from_url(server.url) for name, server in own_redis.items()}
@@ -439,6 +443,10 @@ def main() -> None:
     parser.add_argument("--freq", type=int, help="with --perf: samples a second (149 with --dwarf, else 499)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
+    parser.add_argument(
+        "--python-b",
+        help="B's API and worker on this interpreter (a virtualenv's python with the locked packages)",
+    )
     args = parser.parse_args()
     args.a, args.b = str(Path(args.a).resolve()), str(Path(args.b).resolve())
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
