@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="measure what respool adds to an upstream, beside it and LiteLLM (README: Performance)"
     )
-    bench.add_argument("--out", default="bench-results", help="directory for result.json, latency.png, logs")
+    bench.add_argument(
+        "--out", default="bench-results", help="directory for result.json, latency.png, cpu.png, logs"
+    )
     bench.add_argument("--quick", action="store_true", help="a short run that checks everything works")
     bench.add_argument("--litellm", help="the litellm executable (default: `litellm` on PATH, if any)")
     bench.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out even if installed")
@@ -187,7 +189,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     plan = dataclasses.replace(plan, worker_counts=workers)
     litellm = None if args.no_litellm else (args.litellm or "")
     run(plan, Path(args.out), litellm, servers_from(settings))
-    print(f"\nWritten: {Path(args.out) / 'result.json'}, {Path(args.out) / 'latency.png'}")
+    out = Path(args.out)
+    print(f"\nWritten: {out / 'result.json'}, {out / 'latency.png'}, {out / 'cpu.png'}")
     return 0
 
 

@@ -1,8 +1,10 @@
-"""What a bench run tells: `result.json`, a table on the terminal and in `table.md`, and `latency.png`
-(latency against the number of concurrent streams, one line per system)."""
+"""What a bench run tells: `result.json`, a table on the terminal and in `table.md`, `latency.png`
+(latency against the number of concurrent streams, one line per system) and `cpu.png` (what each
+system's process tree costs in CPU, a bar per system, beside issue 20's targets)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ def write(result: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "result.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     (out_dir / "table.md").write_text(markdown(result))
     draw(result, out_dir / "latency.png")
+    draw_cost(result, out_dir / "cpu.png")
     print_table(result)
 
 
@@ -184,6 +187,98 @@ def draw(result: dict[str, Any], path: Path) -> None:
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
     figure.suptitle(f"respool bench, {result['machine']['cpus']} CPUs, {result['machine']['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+@dataclass(frozen=True)
+class CostPanel:
+    """One panel of `cpu.png`: a bar per system for each of `labels` (None: not measured for it)."""
+
+    title: str
+    unit: str
+    labels: tuple[str, ...]
+    bars: dict[str, list[float | None]]
+    target: float | None = None
+
+
+def cost_panels(result: dict[str, Any]) -> list[CostPanel]:
+    """The CPU figures of a run as `cpu.png` draws them: per relayed token, per response, and the load
+    generator's own per token; systems without any figure of a panel are left out of it."""
+    levels = [str(level) for level in result["plan"].get("cost_streams", ())]
+    per_response = (
+        ("short", ("foreground", "ms_per_response")),
+        ("background", ("background", "ms_per_response")),
+        ("short, at the\nbackground rate", ("foreground_paced", "ms_per_response")),
+        ("poll", ("ms_per_poll",)),
+    )
+
+    def panel(
+        title: str, unit: str, labels: tuple[str, ...], paths: list[tuple[str, ...]], target: float | None
+    ) -> CostPanel:
+        bars: dict[str, list[float | None]] = {}
+        for name, system in result["systems"].items():
+            values = [_get(system, "cpu", *path) for path in paths]
+            if any(value is not None for value in values):
+                bars[name] = values
+        return CostPanel(title, unit, labels, bars, target)
+
+    return [
+        panel(
+            "CPU per relayed token",
+            "µs",
+            tuple(f"{level} streams" for level in levels),
+            [("streams", level, "us_per_token") for level in levels],
+            TARGETS["CPU µs per token @30"],
+        ),
+        panel(
+            "CPU per response",
+            "ms",
+            tuple(label for label, _ in per_response),
+            [path for _, path in per_response],
+            TARGETS["CPU ms per short request"],
+        ),
+        panel(
+            "the load generator's CPU per token",
+            "µs",
+            tuple(f"{level} streams" for level in levels),
+            [("streams", level, "load_us_per_token") for level in levels],
+            None,
+        ),
+    ]
+
+
+def draw_cost(result: dict[str, Any], path: Path) -> None:
+    """`cost_panels` as grouped bars on a linear scale (a bar's height is its cost, however small beside
+    LiteLLM's), each labelled with its figure, each target a dashed line."""
+    panels = cost_panels(result)
+    figure, axes_row = plt.subplots(1, len(panels), figsize=(16, 4.8))
+    for axes, panel in zip(axes_row, panels, strict=True):
+        width = 0.8 / max(1, len(panel.bars))
+        for index, (name, values) in enumerate(panel.bars.items()):
+            xs = [
+                position + (index - (len(panel.bars) - 1) / 2) * width
+                for position in range(len(panel.labels))
+            ]
+            shown = [(x, value) for x, value in zip(xs, values, strict=True) if value]
+            if not shown:
+                continue
+            drawn = axes.bar([x for x, _ in shown], [value for _, value in shown], width, label=name)
+            axes.bar_label(drawn, [_cell(value) for _, value in shown], fontsize=7)
+        if panel.target is not None:
+            target = f"target ({_cell(panel.target)} {panel.unit})"
+            axes.axhline(panel.target, color="black", linestyle="--", linewidth=1, label=target)
+        axes.set_xticks(range(len(panel.labels)), panel.labels)
+        axes.set(title=panel.title, ylabel=panel.unit)
+        axes.margins(y=0.12)  # room for the labels over the tallest bars
+        axes.grid(True, axis="y", alpha=0.3)
+        if panel.bars:
+            axes.legend(fontsize=8)
+    figure.suptitle(
+        f"respool bench: CPU of each system's process tree, {result['machine']['cpus']} CPUs, "
+        f"{result['machine']['date']}"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -76,7 +76,7 @@ class Respool:
 def run(
     plan: Plan, out_dir: Path, litellm_path: str | None, servers: tuple[str, str] | None
 ) -> dict[str, Any]:
-    """Run every scenario; write `result.json` and `latency.png` into `out_dir`; return the result."""
+    """Run every scenario; write `result.json`, `latency.png` and `cpu.png` into `out_dir`; return the result."""
     # The load generator's own client must not log a line a request (httpx does at INFO): that
     # would cost more CPU than a request, on the machine under test.
     for name in ("httpx", "httpx2", "httpcore", "httpcore2", "alembic"):

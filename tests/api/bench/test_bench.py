@@ -75,6 +75,45 @@ def test_cpu_costs_are_also_told_as_fractions_of_litellms() -> None:
     assert not any(row.startswith("CPU per background response") for row in table)
 
 
+def test_the_cpu_plot_has_a_bar_per_system_and_figure_and_the_targets(tmp_path: Path) -> None:
+    """`cpu.png` (issue 20: the CPU figures in the table, the JSON and the plot): per relayed token at
+    each cost level, per response (short, background, short at the background rate, poll) and the load
+    generator's per token; a figure a system lacks is no bar, a system with none (the direct upstream)
+    is left out of the panel."""
+    respool = {
+        "cpu": {
+            "streams": {
+                "30": {"us_per_token": 166.8, "load_us_per_token": 29.7},
+                "100": {"us_per_token": 122.7, "load_us_per_token": 22.2},
+            },
+            "foreground": {"ms_per_response": 3.3},
+            "background": {"ms_per_response": 3.8},
+            "foreground_paced": {"ms_per_response": 4.6},
+            "ms_per_poll": 0.35,
+        }
+    }
+    litellm = {
+        "cpu": {
+            "streams": {"30": {"us_per_token": 1583.5, "load_us_per_token": 67.9}},
+            "foreground": {"ms_per_response": 21.8},
+        }
+    }
+    result = {
+        "plan": {"concurrent": 50, "cost_streams": [30, 100]},
+        "machine": {"cpus": 2, "date": "2026-11-28 10:13:58 UTC"},
+        "systems": {"direct": {"levels": {}}, "litellm": litellm, "respool (1 worker)": respool},
+    }
+    token, response, load_ = report.cost_panels(result)
+    assert token.labels == ("30 streams", "100 streams") and token.target == 170
+    assert token.bars == {"litellm": [1583.5, None], "respool (1 worker)": [166.8, 122.7]}
+    assert response.target == 5 and len(response.labels) == 4
+    assert response.bars == {"litellm": [21.8, None, None, None], "respool (1 worker)": [3.3, 3.8, 4.6, 0.35]}
+    assert load_.target is None
+    assert load_.bars == {"litellm": [67.9, None], "respool (1 worker)": [29.7, 22.2]}
+    report.draw_cost(result, tmp_path / "cpu.png")
+    assert (tmp_path / "cpu.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_tokens_are_counted_in_delta_frames_only() -> None:
     """A Responses stream repeats the text in its `.done` and `completed` events: only deltas count."""
     delta = (
@@ -143,4 +182,5 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
             assert "cpu" not in system  # the upstream stands for the GPU: its cost is not measured
     assert result["systems"]["respool (2 workers)"]["memory"]["processes"] == {"api": 1, "workers": 2}
     assert (out / "latency.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "cpu.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "table.md").read_text().startswith("| | direct |")
