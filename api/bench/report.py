@@ -273,8 +273,8 @@ def draw_cost(result: dict[str, Any], path: Path) -> None:
         axes.set(title=panel.title, ylabel=panel.unit)
         axes.margins(y=0.12)  # room for the labels over the tallest bars
         axes.grid(True, axis="y", alpha=0.3)
-        if panel.bars:
-            axes.legend(fontsize=8)
+        if panel.bars:  # under the panel: over it, it would hide the tallest bars' figures
+            axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     figure.suptitle(
         f"respool bench: CPU of each system's process tree, {result['machine']['cpus']} CPUs, "
         f"{result['machine']['date']}"
