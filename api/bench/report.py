@@ -261,7 +261,7 @@ def draw_cost(result: dict[str, Any], path: Path) -> None:
                 position + (index - (len(panel.bars) - 1) / 2) * width
                 for position in range(len(panel.labels))
             ]
-            shown = [(x, value) for x, value in zip(xs, values, strict=True) if value]
+            shown = [(x, value) for x, value in zip(xs, values, strict=True) if value is not None]
             if not shown:
                 continue
             drawn = axes.bar([x for x, _ in shown], [value for _, value in shown], width, label=name)
