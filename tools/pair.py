@@ -57,6 +57,8 @@ SCENARIOS = {
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
     "short1": ("short", 1, 10, 8, 0),  # ten short requests, one at a time (for --strace)
     "bg1": ("bg", 1, 10, 8, 250),
+    "bg1x": ("bg", 1, 200, 8, 20),  # background responses one at a time (a lone one's cost)
+    "idle": ("idle", 0, 5, 0, 0),  # five seconds of nothing: a unit a second
     # foreground short requests at a background response's rate in "bg" (each client waits 250 ms
     # after each, as a background one's client waits for its poll): what a response costs at that rate
     "short250": ("paced", 16, 400, 8, 250),  # ten background responses, one at a time (for --strace)
@@ -79,6 +81,18 @@ def times(process: psutil.Process, children: bool = False) -> tuple[float, float
         user += t.children_user
         system += t.children_system
     return user, system
+
+
+def _switches(process: psutil.Process) -> int:
+    """How many times the process's threads have been switched out (each a wake-up to come back)."""
+    total = 0
+    for task in Path(f"/proc/{process.pid}/task").glob("*"):
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in text.splitlines() if "ctxt_switches:" in line)
+    return total
 
 
 def tree_times(root: psutil.Process) -> tuple[float, float]:
@@ -137,6 +151,7 @@ def read_all(build: Build, servers: dict[str, psutil.Process], r: redis.Redis) -
     out: dict[str, float] = {}
     for role, process in build.roles.items():
         out[role + ".usr"], out[role + ".sys"] = times(process)
+        out[role + ".wakes"] = float(_switches(process))
     for role, process in servers.items():
         out[role + ".usr"], out[role + ".sys"] = tree_times(process) if role == "pg" else times(process)
     stats_ = r.info("commandstats")
@@ -156,6 +171,9 @@ async def scenario(build: Build, name: str) -> tuple[int, dict[str, Any]]:
         )
         summary = stats.summarize(samples, tokens)
         return summary["tokens"], summary
+    if kind == "idle":
+        await asyncio.sleep(count)
+        return count, {}
     if kind == "poll":
         if build.polled is None:
             first = await load.short_count(
@@ -402,6 +420,9 @@ def _line(name: str, row: dict[str, float]) -> str:
         usr, sys_ = row[f"{role}.usr"] / units * scale, row[f"{role}.sys"] / units * scale
         parts.append(f"{role} {usr + sys_:6.1f} ({sys_:5.1f}s)")
     parts.append(f"cmds/unit {row['redis.calls'] / units:5.2f}")
+    if "api.wakes" in row:
+        wakes = (row["api.wakes"] / units, row["worker.wakes"] / units)
+        parts.append("wakes/unit api {:4.1f} worker {:4.1f}".format(*wakes))
     if "gap_p99_ms" in row:
         parts.append(f"gap99 {row['gap_p99_ms']:.1f}")
     if "added_ttft_ms" in row:
