@@ -56,6 +56,7 @@ def response_keys(response_id: str) -> list[str]:
         observed_key(response_id),
         secrets_key(response_id),
         ticket_key(response_id),
+        announce_key(response_id),
     ]
 
 
@@ -78,6 +79,14 @@ def ticket_key(response_id: str) -> str:
     takes it (GETDEL) or a few seconds pass: that worker calls the upstream while Postgres moves the
     row to `in_progress`, and appends nothing before it has (DESIGN.md §2, step 2)."""
     return f"{PREFIX}:{{{response_id}}}:ticket"
+
+
+def announce_key(response_id: str) -> str:
+    """A background response's `response.in_progress` event as its create encoded it (sequence 2),
+    kept beside its ticket for as long: the take that starts the response appends it, in the same
+    script that takes its lease (`queue.ResponseQueue.take_started`), where its worker's first
+    append would have (a round trip of the worker's and a wake-up of Redis's a response)."""
+    return f"{PREFIX}:{{{response_id}}}:announce"
 
 
 def rate_key(owner: str) -> str:

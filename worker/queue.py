@@ -37,7 +37,9 @@ from worker.connections import HeldConnection, HeldConnections, bare_pipeline
 from worker.events.lease import ACQUIRE_FUNCTION, FlatEntry, Lease, Leases, acquired, release_commands
 from worker.events.stream import Event, entry_id
 from worker.keys import (
+    announce_key,
     attempt_key,
+    cancel_key,
     events_key,
     held_key,
     lease_key,
@@ -60,16 +62,18 @@ RESULT_TTL = 600
 TICKET_SECONDS = 10
 TICKET_MAX_BYTES = 64 * 1024  # a Codex CLI first request takes 45 KiB
 
-# KEYS: events, queued marker, held, queue, ticket, secrets, observed mark. ARGV: response id, the
-# queue's name, ticket ("" for none), its seconds, secrets ("" for none), their seconds, whether its
-# creator relays it ("1" or ""), then each first event's entry id, type and data.
+# KEYS: events, queued marker, held, queue, ticket, secrets, observed mark, announce. ARGV: response
+# id, the queue's name, ticket ("" for none), its seconds, secrets ("" for none), their seconds,
+# whether its creator relays it ("1" or ""), the `response.in_progress` its take appends ("" for
+# none; kept as long as the ticket), then each first event's entry id, type and data.
 # `ResponseQueue.enqueue`: one script, sent bare (a MULTI through redis-py's pipeline cost 136 µs of
 # the API's CPU against 50, in a loop on this project's machine).
 _ENQUEUE = """
 if ARGV[3] ~= '' then redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[6], ARGV[5], 'EX', ARGV[6]) end
 if ARGV[7] ~= '' then redis.call('SET', KEYS[7], '1') end
-for i = 8, #ARGV, 3 do redis.call('XADD', KEYS[1], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2]) end
+if ARGV[8] ~= '' then redis.call('SET', KEYS[8], ARGV[8], 'EX', ARGV[4]) end
+for i = 9, #ARGV, 3 do redis.call('XADD', KEYS[1], ARGV[i], 't', ARGV[i + 1], 'd', ARGV[i + 2]) end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[3], 'inf', ARGV[1])
 redis.call('RPUSH', KEYS[4], ARGV[1])
@@ -124,37 +128,54 @@ end
 _QUEUED_KEY_AROUND = tuple(queued_key("\n").split("\n"))
 
 # KEYS: a worker's taking list, held. ARGV: holder, lease ttl ms, deadline ms from now, then what
-# comes before and after a response id in its lease, attempt, events and ticket keys. Sent right
-# behind the worker's blocking pop, on its connection, so Redis runs it the moment the pop moves a
-# response into the taking list: `ResponseQueue.start`'s work (out of the list, its deadline by
-# Redis's clock, its lease and newest entry, its ticket) without a round trip of its own. An empty
-# list (the pop timed out): nil. Otherwise {the id, the acquire's reply, the ticket}.
+# comes before and after a response id in its lease, attempt, events, ticket, announce and cancel
+# keys. Sent right behind the worker's blocking pop, on its connection, so Redis runs it the moment
+# the pop moves a response into the taking list: `ResponseQueue.start`'s work (out of the list, its
+# deadline by Redis's clock, its lease and newest entry, its ticket) without a round trip of its
+# own. A fresh background response (its ticket and its announce key there, its stream still ending
+# at its create's `response.queued`, no cancel requested) is told `in_progress` here too: the
+# event its create encoded is appended under the new lease, as its worker's first append would
+# have. An empty list (the pop timed out): nil. Otherwise {the id, the acquire's reply (its newest
+# entry the `in_progress` if it was appended), the ticket, 1 if it was}.
 _START_POPPED = (
     ACQUIRE_FUNCTION
     + """
 local id = redis.call('LINDEX', KEYS[1], -1)
 if not id then return false end
 local ticket = redis.call('GETDEL', ARGV[10] .. id .. ARGV[11])
+local announce = redis.call('GETDEL', ARGV[12] .. id .. ARGV[13])
 redis.call('LREM', KEYS[1], 0, id)
 local now = redis.call('TIME')
 local deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[2], deadline, id)
-local lease, attempt = ARGV[4] .. id .. ARGV[5], ARGV[6] .. id .. ARGV[7]
-return {id, acquire(lease, attempt, ARGV[8] .. id .. ARGV[9], ARGV[1], ARGV[2]), ticket}
+local lease, attempt, events = ARGV[4] .. id .. ARGV[5], ARGV[6] .. id .. ARGV[7], ARGV[8] .. id .. ARGV[9]
+local taken = acquire(lease, attempt, events, ARGV[1], ARGV[2])
+local newest = taken[2]
+if ticket and announce and newest and newest[1] and newest[1][1] == '0-2'
+    and redis.call('EXISTS', ARGV[14] .. id .. ARGV[15]) == 0 then
+  redis.call('XADD', events, '0-3', 't', 'response.in_progress', 'd', announce)
+  taken[2] = {{'0-3', {'t', 'response.in_progress', 'd', announce}}}
+  return {id, taken, ticket, 1}
+end
+return {id, taken, ticket}
 """
 )
 _START_POPPED_SHA = hashlib.sha1(_START_POPPED.encode()).hexdigest()
 _AROUND = tuple(
-    part for key in (lease_key, attempt_key, events_key, ticket_key) for part in key("\n").split("\n")
+    part
+    for key in (lease_key, attempt_key, events_key, ticket_key, announce_key, cancel_key)
+    for part in key("\n").split("\n")
 )
 
 
 class Started(NamedTuple):
-    """A response a worker has started: its lease, the stream's newest entry, and its ticket."""
+    """A response a worker has started: its lease, the stream's newest entry, its ticket, and whether
+    its take appended its `response.in_progress` (then the newest entry)."""
 
     lease: Lease
     newest: FlatEntry | None
     ticket: bytes | None
+    announced: bool = False
 
 
 class ResponseQueue:
@@ -185,10 +206,12 @@ class ResponseQueue:
         ticket: bytes | None = None,
         *,
         is_relayed: bool = False,
+        announce: bytes = b"",
     ) -> None:
         """Append the response's first events and queue it, in one script (DESIGN.md §2.1); with
         `secrets` (its tools' secrets, and how many seconds to keep them), those too, and its
-        `ticket` if it has one. `is_relayed`: its creator follows it from its first event (a
+        `ticket` if it has one, with `announce` beside it (a background response's `in_progress`
+        event, sequence 2, for the take that starts it to append: `take_started`). `is_relayed`: its creator follows it from its first event (a
         foreground or streamed create), so it is marked observed here, as a relay's first read
         marks it (DESIGN.md §4, "Orphans"), and that follow needs no read of its own to mark it."""
         keys = (
@@ -199,10 +222,11 @@ class ResponseQueue:
             ticket_key(response_id),
             secrets_key(response_id),
             observed_key(response_id),
+            announce_key(response_id),
         )
         args: list[str | bytes | int] = [response_id, self.name, ticket or b"", TICKET_SECONDS]
         args += (b"", 0) if secrets is None else secrets
-        args.append(b"1" if is_relayed else b"")
+        args += (b"1" if is_relayed else b"", announce if ticket else b"")
         for event in first_events:
             args += (entry_id(event.sequence_number), event.type, event.data)
         try:
@@ -220,7 +244,7 @@ class ResponseQueue:
         """Take a response that no worker has taken out of the queue; False if a worker has it."""
         if not await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id):
             return False
-        await self.redis.delete(queued_key(response_id), ticket_key(response_id))
+        await self.redis.delete(queued_key(response_id), ticket_key(response_id), announce_key(response_id))
         return True
 
     async def forget(self, response_id: str) -> None:
@@ -267,10 +291,10 @@ class ResponseQueue:
             raise started
         if started is None:
             return None
-        popped, reply, ticket = started
+        popped, reply, ticket, *announced = started
         response_id = _decoded(popped)
         taken = acquired(response_id, worker, reply)
-        return response_id, None if taken is None else Started(*taken, ticket)
+        return response_id, None if taken is None else Started(*taken, ticket, bool(announced))
 
     async def start(self, leases: Leases, response_id: str, worker: str) -> Started | None:
         """Take the response out of `worker`'s taking list, give it a deadline, and take its lease
@@ -280,6 +304,7 @@ class ResponseQueue:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lrem(taking_key(self.name, worker), 0, response_id)
             pipe.zadd(self.held, {response_id: _ms(time.time() + self.deadline_seconds)})
+            pipe.delete(announce_key(response_id))  # told by this worker's own first append
             pipe.getdel(ticket_key(response_id))
             leases.acquire_commands(pipe, response_id, worker)
             replies = await pipe.execute()

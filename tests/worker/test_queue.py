@@ -15,8 +15,10 @@ from redis.exceptions import ResponseError
 from tests.support.stack import Servers
 from worker.connections import blocking_client
 from worker.events.lease import Leases
-from worker.events.stream import encode, read_events
+from worker.events.stream import Event, encode, entry_id, read_events
 from worker.keys import (
+    announce_key,
+    cancel_key,
     held_key,
     lease_key,
     observed_key,
@@ -106,8 +108,8 @@ async def test_a_taken_response_is_leased_with_a_deadline_and_leaves_the_taking_
     leases = Leases(redis, 6.0)
     started = await queue.start(leases, first, "w1")
     assert started is not None
-    lease, newest, ticket = started
-    assert (lease.attempt, newest, ticket) == (1, None, b'{"row": 1}')
+    lease, newest, ticket, announced = started
+    assert (lease.attempt, newest, ticket, announced) == (1, None, b'{"row": 1}', False)
     assert await redis.exists(ticket_key(first)) == 0  # taken: a later start reads the row
     assert await redis.get(lease_key(first)) == b"1:w1"
     assert await redis.llen(taking_key(queue.name, "w1")) == 0
@@ -155,6 +157,70 @@ async def test_a_take_that_starts_leases_what_it_popped_in_the_same_round_trip(
     assert await redis.llen(taking_key(queue.name, "w2")) == 0
     assert await redis.get(lease_key(second)) == b"7:w9"
     await redis.delete(lease_key(second), f"respool:{{{first}}}:attempt", f"respool:{{{first}}}:events")
+
+
+def _background_first() -> list[Event]:
+    return [encode({"type": "response.created"}, 0), encode({"type": "response.queued"}, 1)]
+
+
+async def test_a_take_tells_a_fresh_background_response_in_progress(
+    redis: Redis, queue: ResponseQueue, popper: Redis
+) -> None:
+    """The `in_progress` a background create encoded beside its ticket is appended by the take that
+    starts the response, under its new lease, and is the newest entry the take reports: the
+    worker's own appends follow it (sequence 3)."""
+    (rid,) = _ids(1)
+    announce = encode({"type": "response.in_progress", "response": {"status": "in_progress"}}, 2).data
+    await queue.enqueue(rid, _background_first(), ticket=b"row", announce=announce)
+    assert 0 < await redis.ttl(announce_key(rid)) <= TICKET_SECONDS
+    taken = await queue.take_started(popper, Leases(redis, 6.0), "w1", 1.0)
+    assert taken is not None and taken[1] is not None
+    started = taken[1]
+    assert (started.announced, started.ticket) == (True, b"row")
+    assert started.newest == (b"0-3", [b"t", b"response.in_progress", b"d", announce])
+    told = await read_events(redis, rid)
+    assert [(event.sequence_number, event.type) for event in told] == [
+        (0, "response.created"),
+        (1, "response.queued"),
+        (2, "response.in_progress"),
+    ]
+    assert told[-1].data == announce
+    assert await redis.exists(announce_key(rid), ticket_key(rid)) == 0
+    await redis.delete(lease_key(rid), f"respool:{{{rid}}}:attempt", f"respool:{{{rid}}}:events")
+
+
+@pytest.mark.parametrize("why", ["cancel requested", "no ticket", "stream moved on", "lease held"])
+async def test_a_take_leaves_in_progress_to_the_worker_unless_the_response_is_fresh(
+    redis: Redis, queue: ResponseQueue, popper: Redis, why: str
+) -> None:
+    """Only a fresh response is told `in_progress` by its take: not one whose cancel was asked
+    before a worker took it (its worker's own first append hears of the cancel), nor one without
+    its ticket, nor one whose stream holds more than its create's events, nor one another holder
+    keeps; the announce key goes with the take whatever it did."""
+    (rid,) = _ids(1)
+    announce = encode({"type": "response.in_progress"}, 2).data
+    first = _background_first()
+    if why == "stream moved on":
+        first.append(encode({"type": "response.in_progress"}, 2))
+    await queue.enqueue(rid, first, ticket=None if why == "no ticket" else b"row", announce=announce)
+    if why == "no ticket":  # a create never sends one without a ticket; a key left over is ignored
+        await redis.set(announce_key(rid), announce, ex=TICKET_SECONDS)
+    if why == "cancel requested":
+        await redis.set(cancel_key(rid), "1")
+    if why == "lease held":
+        await redis.set(lease_key(rid), "7:w9", px=6000)
+    taken = await queue.take_started(popper, Leases(redis, 6.0), "w1", 1.0)
+    assert taken is not None and taken[0] == rid
+    if why == "lease held":
+        assert taken[1] is None
+    else:
+        assert taken[1] is not None and not taken[1].announced
+        assert taken[1].newest is not None and taken[1].newest[0] == entry_id(len(first) - 1).encode()
+    assert len(await read_events(redis, rid)) == len(first)
+    assert await redis.exists(announce_key(rid)) == 0
+    await redis.delete(
+        lease_key(rid), cancel_key(rid), f"respool:{{{rid}}}:attempt", f"respool:{{{rid}}}:events"
+    )
 
 
 # It flushes the scripts of the Redis it runs on: never one that other sessions share (CI's second phase).
@@ -236,10 +302,10 @@ async def test_only_a_response_still_waiting_can_be_removed(
 ) -> None:
     waiting, taken = _ids(2)
     await queue.enqueue(taken, [])
-    await queue.enqueue(waiting, [], ticket=b"{}")
+    await queue.enqueue(waiting, [], ticket=b"{}", announce=b"{}")
     assert await queue.take(popper, "w1", 1.0) == taken
     assert await queue.remove_queued(waiting) is True
-    assert await redis.exists(ticket_key(waiting)) == 0
+    assert await redis.exists(ticket_key(waiting), announce_key(waiting)) == 0
     assert await queue.remove_queued(taken) is False  # a worker has it: its cancel flag stops it
     assert await queue.remove_queued(waiting) is False
     assert await _waiting(redis, queue) == []

@@ -62,13 +62,14 @@ async def run_response(rt: Runtime, response_id: str, started: Started | None = 
     if acquired is None:
         log.warning("response %s is held by another live holder; not running it", response_id)
         return RunEnd.BUSY
-    lease, last, ticket = acquired
+    lease, last, ticket, announced = acquired
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
     rt.held[response_id] = lease
     end: RunEnd | None = None
     try:
-        if ticket is not None and last is not None and last.type in _FRESH:
-            await _run_ahead(rt, lease, last, store.from_ticket(response_id, ticket, lease.attempt))
+        if ticket is not None and last is not None and (announced or last.type in _FRESH):
+            stored = store.from_ticket(response_id, ticket, lease.attempt)
+            await _run_ahead(rt, lease, last, stored, announced=announced)
         else:
             await _run_attempt(rt, lease, last)
         end = RunEnd.FINISHED
@@ -111,7 +112,7 @@ async def _let_go(rt: Runtime, lease: Lease, end: RunEnd | None) -> None:
         await rt.leases.release(lease)
 
 
-async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None, bytes | None] | None:
+async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None, bytes | None, bool] | None:
     """A new lease, the stream's newest event and the response's ticket (if it still had one),
     waiting out a holder that is gone but whose lease has not expired yet (a frozen worker whose
     response the sweep put back). None if a live holder keeps renewing it."""
@@ -124,9 +125,9 @@ async def _acquire(rt: Runtime, response_id: str) -> tuple[Lease, Event | None, 
     return _read_start(started)
 
 
-def _read_start(started: Started) -> tuple[Lease, Event | None, bytes | None]:
+def _read_start(started: Started) -> tuple[Lease, Event | None, bytes | None, bool]:
     newest = None if started.newest is None else decode_flat(*started.newest)
-    return started.lease, newest, started.ticket
+    return started.lease, newest, started.ticket, started.announced
 
 
 async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
@@ -151,7 +152,9 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
         return False
 
 
-async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse) -> None:
+async def _run_ahead(
+    rt: Runtime, lease: Lease, last: Event, stored: store.StoredResponse, *, announced: bool = False
+) -> None:
     """A fresh response whose ticket came with its lease (queue.ResponseQueue.start): the upstream
     call starts without waiting for Postgres (DESIGN.md §2, step 2), and its row is not moved first:
     its end claims it, in the same statement that records it (`_finish`, fenced on no later attempt
@@ -163,12 +166,15 @@ async def _run_ahead(rt: Runtime, lease: Lease, last: Event, stored: store.Store
     A background response cancelled while this starts (its cancel found it `queued` in Postgres)
     stops at the cancel flag (its next append reports it, or the worker's watch of cancel flags),
     and its end finds the row ended: the stream ends as stored. A foreground response not streamed
-    defers its appends (`ResponseWriter.defer`): its create waits for the terminal event alone."""
+    defers its appends (`ResponseWriter.defer`): its create waits for the terminal event alone.
+    `announced`: its take appended its `response.in_progress` (`queue.ResponseQueue.take_started`)."""
     row_wait_until = time.monotonic() + ROW_WAIT_SECONDS
     writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
     if not stored.stream and not stored.background:
         writer.defer()
-    final = await _produce(rt, writer, stored, stored.response, announced=False)
+    if announced:
+        rt.metrics.events.inc()  # an event appended for this worker, as its appends are counted
+    final = await _produce(rt, writer, stored, stored.response, announced=announced)
     if final is None:  # cancelled: told as stored
         await _end_as_stored(rt, writer)
         return

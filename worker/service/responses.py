@@ -234,13 +234,16 @@ class ResponseService:
         its row inserted while a worker takes it: the worker calls the upstream without reading the
         row, and waits for it only to claim it (attempt._run_ahead). Should the insert fail, the
         response is taken back out of the queue (`_unqueue`). Without a ticket the worker reads the
-        row: it is inserted first.
+        row: it is inserted first. A background response's row is inserted first too: nobody waits
+        on its worker's first events, and its worker, which starts it told (its take appends its
+        `in_progress`, `queue.ResponseQueue.take_started`), could end a short answer before the row
+        was there: its end then cost two statements more and a wait (`_when_the_row_is_there`).
         """
         response = row["response"]
         ticket = store.ticket(row, TICKET_MAX_BYTES)
-        if ticket is None:
+        if ticket is None or request.is_background:
             await store.insert_response(conn, row, len(own_items))
-            await self._enqueue(owner, request, response, secrets, None)
+            await self._enqueue(owner, request, response, secrets, ticket)
             return
         enqueuing = asyncio.ensure_future(self._queue(request, response, secrets, ticket))
         await asyncio.sleep(0)  # the enqueue's script goes out before the insert is even built
@@ -373,12 +376,18 @@ class ResponseService:
         """The response's first events and its place in the queue (queue.ResponseQueue.enqueue)."""
         created = response if request.is_background else with_status(response, Status.IN_PROGRESS)
         first = [encode({"type": "response.created", "response": created}, 0)]
+        announce = b""
         if request.is_background:
             first.append(encode({"type": "response.queued", "response": response}, 1))
+            if ticket is not None:  # appended by the take that starts it (`queue.take_started`)
+                running = with_status(response, Status.IN_PROGRESS)
+                announce = encode({"type": "response.in_progress", "response": running}, 2).data
         kept = None if secrets is None else (secrets, self.settings.tool_secrets_seconds)
         # A create that answers with the response's events or its end follows it from the first.
         is_relayed = request.is_stream or not request.is_background
-        await self.queue.enqueue(response["id"], first, kept, ticket, is_relayed=is_relayed)
+        await self.queue.enqueue(
+            response["id"], first, kept, ticket, is_relayed=is_relayed, announce=announce
+        )
 
     async def _enqueue_failed(self, owner: str, response: dict[str, Any], exc: RedisError) -> NoReturn:
         """Whether the response reached the queue is unknown (a timeout may come after Redis ran
