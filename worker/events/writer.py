@@ -45,9 +45,7 @@ class ResponseWriter:
 
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip
-    per batch, not per chunk; with none in flight, an append goes once the callback that sent them
-    is over (`loop.call_soon`), with whatever else it sent (every payload of one upstream read:
-    one append, where the first payload's went alone and the rest waited for its answer). Its appends are handed to the event log with a callback, not a task
+    per batch, not per chunk. Its appends are handed to the event log with a callback, not a task
     and a future each (a token's append would cost both). `drain` waits for all of them; a failed
     append is raised by the next `send` or `drain`.
     """
@@ -72,7 +70,6 @@ class ResponseWriter:
         self._retry_delay = 0.0
         self._abandoned = False
         self._deferred = False  # appends only when waited on (`defer`)
-        self._due = False  # an append is to go once the callback that sent its events is over
 
     def defer(self) -> None:
         """Append what is sent only when the writer is waited on (`drain`, `settle`, `emit`), or
@@ -90,13 +87,7 @@ class ResponseWriter:
         self._abandoned = False
         self._pending += events
         waits = self._deferred and len(self._pending) < DEFERRED_MOST
-        if self._inflight is None and self._pending and not waits and not self._due:
-            self._due = True
-            asyncio.get_running_loop().call_soon(self._submit_due)
-
-    def _submit_due(self) -> None:
-        self._due = False
-        if self._inflight is None and self._pending and self._failure is None:
+        if self._inflight is None and self._pending and not waits:
             self._submit()
 
     async def drain(self) -> None:
@@ -125,9 +116,8 @@ class ResponseWriter:
     async def _landing(self) -> None:
         """Until nothing is in flight (what was sent meanwhile included, what a deferring writer
         keeps too)."""
-        while True:  # what waits (deferred, or due after the sender's callback) goes now
-            waits = self._deferred or self._due
-            if waits and self._pending and self._inflight is None and self._failure is None:
+        while True:
+            if self._deferred and self._pending and self._inflight is None and self._failure is None:
                 self._submit()
             if self._inflight is None:
                 return

@@ -93,15 +93,11 @@ async def test_an_append_that_already_landed_counts_as_written() -> None:
 
 
 async def test_what_is_sent_while_an_append_is_in_flight_goes_in_the_next_one_merged() -> None:
-    """`send` hands the first batch over once its callback is over; what comes while it is in
-    flight waits, its deltas joined, and goes once the first lands; `drain` returns once everything
-    landed, numbered in order."""
+    """`send` hands the first batch over at once; what comes while it is in flight waits, its deltas
+    joined, and goes once the first lands; `drain` returns once everything landed, numbered in order."""
     log = ScriptedLog()
     writer = ResponseWriter(log, LEASE, next_sequence=5)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    assert log.batches == []
-    await asyncio.sleep(0)
-    assert log.batches == [["a"]]
     writer.send([_delta("b")])
     writer.send([_delta("c"), {"type": "response.output_text.done"}])
     assert log.batches == [["a"]]
@@ -115,28 +111,6 @@ async def test_what_is_sent_while_an_append_is_in_flight_goes_in_the_next_one_me
     log.answer()
     await draining
     assert (log.landed, writer.next_sequence) == ([5, 6, 7], 8)
-
-
-async def test_what_one_callback_sends_goes_in_one_append() -> None:
-    """With nothing in flight, what is sent in one callback (every payload of one upstream read,
-    then its closing events) goes in one append as the callback ends, deltas joined; a `drain`
-    before then sends it at once."""
-    log = ScriptedLog()
-    writer = ResponseWriter(log, LEASE, next_sequence=3)  # type: ignore[arg-type]
-    writer.send([{"type": "response.output_item.added"}, _delta("a")])
-    writer.send([_delta("b")])
-    writer.send([_delta("c"), {"type": "response.output_text.done"}])
-    await asyncio.sleep(0)
-    assert log.batches == [["response.output_item.added", "abc", "response.output_text.done"]]
-    log.answer()
-    writer.send([_delta("d")])
-    draining = asyncio.create_task(writer.drain())
-    await asyncio.sleep(0)
-    assert log.batches[1:] == [["d"]]  # the drain sent it; the callback due finds nothing left
-    log.answer()
-    await draining
-    await asyncio.sleep(0)
-    assert (len(log.batches), log.landed, writer.next_sequence) == (2, [3, 4, 5, 6], 7)
 
 
 async def test_a_deferring_writer_appends_what_was_sent_only_when_waited_on() -> None:
@@ -182,7 +156,6 @@ async def test_a_deferring_writer_appends_once_enough_waits() -> None:
         writer.send([{"type": "response.output_item.added", "output_index": index}])
     assert log.batches == []
     writer.send([{"type": "response.output_item.added", "output_index": DEFERRED_MOST}])
-    await asyncio.sleep(0)  # due as the sending callback ends
     assert [len(batch) for batch in log.batches] == [DEFERRED_MOST]
 
 
@@ -190,7 +163,6 @@ async def test_a_fenced_append_is_raised_once_and_what_waited_is_not_sent() -> N
     log = ScriptedLog(AppendResult.FENCED)
     writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
     writer.send([_delta("b")])
     log.answer()
     with pytest.raises(FencedOutError):
@@ -205,7 +177,6 @@ async def test_a_sent_append_is_retried_while_redis_is_briefly_away_then_given_u
     log = ScriptedLog(RedisConnectionError("down"), AppendResult.OK)
     writer = ResponseWriter(log, LEASE, next_sequence=3, patience=5.0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
     log.answer()
     await asyncio.sleep(0.15)  # the first backoff
     assert log.batches == [["a"], ["a"]]
@@ -214,7 +185,6 @@ async def test_a_sent_append_is_retried_while_redis_is_briefly_away_then_given_u
     assert (log.landed, writer.next_sequence) == ([3], 4)
     impatient = ResponseWriter(ScriptedLog(RedisConnectionError("down")), LEASE, next_sequence=3)  # type: ignore[arg-type]
     impatient.send([_delta("a")])
-    await asyncio.sleep(0)
     impatient.log.answer()  # type: ignore[attr-defined]
     with pytest.raises(RedisConnectionError):
         impatient.send([_delta("b")])
@@ -225,7 +195,6 @@ async def test_a_cancel_request_is_raised_after_the_batch_landed() -> None:
     log = ScriptedLog(AppendResult.CANCEL_REQUESTED)
     writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
     log.answer()
     with pytest.raises(CancelRequestedError):
         writer.send([_delta("b")])
@@ -236,7 +205,6 @@ async def test_an_abandoned_writer_sends_nothing_more_of_what_waited() -> None:
     log = ScriptedLog()
     writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
     writer.send([_delta("b")])
     await writer.abandon()
     log.answer()  # the one in flight still lands
@@ -251,7 +219,6 @@ async def test_a_writer_abandoned_while_its_append_waits_to_go_again_can_still_e
     log = ScriptedLog(RedisConnectionError("down"))
     writer = ResponseWriter(log, LEASE, next_sequence=4, patience=5.0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
     log.answer()  # the outage: a resubmit is due in 0.1 s
     await writer.abandon()
     await asyncio.sleep(0.15)
@@ -265,8 +232,6 @@ async def test_what_an_abandoned_writers_last_append_met_is_not_raised() -> None
     log = ScriptedLog(AppendResult.FENCED)
     writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
-    await asyncio.sleep(0)
-    assert log.batches == [["a"]]
     await writer.abandon()
     log.answer()
     await writer.drain()  # nothing raised: the attempt that sent it is over
