@@ -211,9 +211,10 @@ class ResponseQueue:
         """Append the response's first events and queue it, in one script (DESIGN.md §2.1); with
         `secrets` (its tools' secrets, and how many seconds to keep them), those too, and its
         `ticket` if it has one, with `announce` beside it (a background response's `in_progress`
-        event, sequence 2, for the take that starts it to append: `take_started`). `is_relayed`: its creator follows it from its first event (a
-        foreground or streamed create), so it is marked observed here, as a relay's first read
-        marks it (DESIGN.md §4, "Orphans"), and that follow needs no read of its own to mark it."""
+        event, sequence 2, for the take that starts it to append: `take_started`). `is_relayed`:
+        its creator follows it from its first event (a foreground or streamed create), so it is
+        marked observed here, as a relay's first read marks it (DESIGN.md §4, "Orphans"), and that
+        follow needs no read of its own to mark it."""
         keys = (
             events_key(response_id),
             queued_key(response_id),
@@ -244,7 +245,7 @@ class ResponseQueue:
         """Take a response that no worker has taken out of the queue; False if a worker has it."""
         if not await self.redis.eval(_REMOVE_QUEUED, 2, self.key, self.held, response_id):
             return False
-        await self.redis.delete(queued_key(response_id), ticket_key(response_id), announce_key(response_id))
+        await self.redis.delete(*(key(response_id) for key in (queued_key, ticket_key, announce_key)))
         return True
 
     async def forget(self, response_id: str) -> None:
