@@ -422,8 +422,16 @@ async def _translate(
     However the call ends (a cancel, a fence the writer raises), the upstream call is closed at once.
     """
 
-    def consume(payload: dict[str, Any]) -> None:
-        writer.send(translate(payload))
+    def consume(payloads: list[dict[str, Any]]) -> None:
+        if len(payloads) == 1:  # a token a read: the steady pace's
+            writer.send(translate(payloads[0]))
+            return
+        events: list[dict[str, Any]] = []
+        try:
+            for payload in payloads:
+                events += translate(payload)
+        finally:  # what came before a payload that failed its translation is told first
+            writer.send(events)
 
     try:
         await call(consume)

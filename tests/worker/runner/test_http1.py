@@ -274,7 +274,7 @@ async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_t
             BODY,
             NO_RETRIES,
             CHAT_STREAM,
-            lambda p: came.append((loop.time(), p)),
+            lambda payloads: came.extend((loop.time(), p) for p in payloads),
         )
         await asyncio.sleep(0.1)  # its last chunk comes 20 ms after its [DONE]: drained, then kept
         assert await _words(client, peer) == ANSWER
@@ -283,6 +283,20 @@ async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_t
     assert [payload["choices"][0]["delta"].get("content") for _, payload in came] == ["one ", "two", None]
     assert all(later - earlier >= 0.01 for (earlier, _), (later, _) in itertools.pairwise(came))
     assert peer.connections == 1
+
+
+async def test_what_comes_in_one_read_is_handed_on_in_one_call(peer: Peer) -> None:
+    """The whole answer in one write (its frames over two HTTP chunks, one read): its payloads reach
+    the consumer together, in one call (the writer then appends their events in one round trip)."""
+    client = create_client(60, 4)
+    route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
+    calls: list[list[dict[str, Any]]] = []
+    try:
+        await stream_into(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM, calls.append)
+    finally:
+        await client.aclose()
+    contents = [[payload["choices"][0]["delta"].get("content") for payload in call] for call in calls]
+    assert contents == [["one ", "two", None]]
 
 
 class _Refused(Exception):
@@ -298,7 +312,7 @@ async def test_a_consumer_that_raises_ends_the_call_with_what_it_raised(peer: Pe
     route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
     refusal = _Refused()
 
-    def refuse(payload: dict[str, Any]) -> None:
+    def refuse(payloads: list[dict[str, Any]]) -> None:
         raise refusal
 
     try:
@@ -322,8 +336,8 @@ async def test_a_cancel_while_a_body_is_pushed_closes_its_connection(peer: Peer)
     came: list[dict[str, Any]] = []
     first = asyncio.Event()
 
-    def consume(payload: dict[str, Any]) -> None:
-        came.append(payload)
+    def consume(payloads: list[dict[str, Any]]) -> None:
+        came.extend(payloads)
         first.set()
 
     call = asyncio.ensure_future(
