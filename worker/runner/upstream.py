@@ -476,6 +476,7 @@ class _Reading:
         lines = (self._rest + chunk if self._rest else chunk).split(b"\n")
         self._rest = lines.pop()
         came: list[Payload] = []
+        fault: Exception | None = None  # a line that is no payload: raised once what came before is on
         try:
             for line in lines:
                 if not line:  # the blank line after each event's: no call for it
@@ -495,13 +496,17 @@ class _Reading:
                 if self.kind.carries_output(payload):
                     self.has_output = True
                     came, self._held = self._held, []
-        finally:  # what came before a line that is no payload (raised) is handed on first
-            if came:
-                try:
-                    self._consume(came)
-                except BaseException as exc:
-                    self.consumer_error = exc
-        return self.is_done or self.consumer_error is not None
+        except Exception as exc:
+            fault = exc
+        if came:
+            try:
+                self._consume(came)
+            except BaseException as exc:  # the consumer's word comes first, as it came first
+                self.consumer_error = exc
+                return True
+        if fault is not None:
+            raise fault
+        return self.is_done
 
     def release(self) -> None:
         """Hand on what is held (all of it, at a stream's proper end that carried no output)."""
