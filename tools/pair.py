@@ -56,12 +56,12 @@ SCENARIOS = {
     "ttft": ("streams", 1, 40, 32, 10),
     "one": ("streams", 1, 10, 4, 10),  # ten streams, one at a time (for --strace)
     "short1": ("short", 1, 10, 8, 0),  # ten short requests, one at a time (for --strace)
-    "bg1": ("bg", 1, 10, 8, 250),
+    "bg1": ("bg", 1, 10, 8, 250),  # ten background responses, one at a time (for --strace)
     "bg1x": ("bg", 1, 200, 8, 20),  # background responses one at a time (a lone one's cost)
     "idle": ("idle", 0, 5, 0, 0),  # five seconds of nothing: a unit a second
     # foreground short requests at a background response's rate in "bg" (each client waits 250 ms
     # after each, as a background one's client waits for its poll): what a response costs at that rate
-    "short250": ("paced", 16, 400, 8, 250),  # ten background responses, one at a time (for --strace)
+    "short250": ("paced", 16, 400, 8, 250),
 }
 
 
