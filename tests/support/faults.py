@@ -20,6 +20,8 @@ from redis import Redis
 
 from tests.support.stack import Stack, wait_for
 from worker.keys import lease_key
+from worker.translation.output import output_items
+from worker.translation.replay import rebuild
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete"}
 TERMINAL_STATUSES = {"completed", "failed", "incomplete", "cancelled"}
@@ -45,6 +47,9 @@ def check_ended(sdk: openai.OpenAI, response_id: str, offsets: Iterable[int] = (
         stored.get("error"),
         stored["output"],
     ), f"{response_id}: the stream's end and Postgres disagree"
+    if stored["status"] == "completed":  # what its events tell adds up to it (DESIGN.md §4)
+        told = output_items(rebuild(events))
+        assert told == stored["output"], f"{response_id}: its events do not add up to its output"
     for offset in offsets:
         if offset < len(events):
             replay = _wire(sdk.responses.retrieve(response_id, stream=True, starting_after=offset))

@@ -22,6 +22,8 @@ A script is a JSON object; every key is optional:
 
     text, words_per_chunk=1    the answer, one chunk per word (a word keeps its trailing space)
     delay, first_delay         seconds before every SSE frame; extra seconds before the first one
+    together=false             true: every frame in one write, after first_delay (an answer its
+                               client reads at once, as from a server that buffers)
     finish_reason="stop"       chat only
     usage                      usage to report instead of word counts; null reports none
     chunks: [...]              chat only: raw chunks sent as given, or {"delta", "finish_reason"}
@@ -164,6 +166,7 @@ class Pacing:
     first_delay: float = 0.0
     drop_after: int | None = None
     is_hang: bool = False
+    is_together: bool = False
 
     @classmethod
     def of(cls, script: Json) -> Pacing:
@@ -172,6 +175,7 @@ class Pacing:
             first_delay=float(script.get("first_delay", 0.0)),
             drop_after=script.get("drop_after"),
             is_hang=bool(script.get("hang", False)),
+            is_together=bool(script.get("together", False)),
         )
 
     def pause_before(self, index: int) -> float:
@@ -218,6 +222,10 @@ class PacedStream(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         if self.pacing.is_hang:
             await asyncio.Event().wait()  # never set: the disconnect watcher ends this stream
+        if self.pacing.is_together:
+            await asyncio.sleep(self.pacing.pause_before(0))
+            await send({"type": "http.response.body", "body": b"".join(self.frames), "more_body": False})
+            return
         for index, frame in enumerate(self.frames):
             if index == self.pacing.drop_after:
                 return  # without the final body message uvicorn closes the connection mid-body

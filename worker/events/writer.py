@@ -25,7 +25,7 @@ from worker.events.stream import (
     last_event,
 )
 from worker.outages import is_outage, patiently
-from worker.translation import coalesce
+from worker.translation import coalesce, output
 
 log = logging.getLogger("respool.runner")
 
@@ -70,6 +70,8 @@ class ResponseWriter:
         self._retry_delay = 0.0
         self._abandoned = False
         self._deferred = False  # appends only when waited on (`defer`)
+        self._holding = False  # what is sent waits (`hold`): the upstream's last read
+        self._kept = False  # what waits was kept at a turn's end, for the response's end (`end_turn`)
 
     def defer(self) -> None:
         """Append what is sent only when the writer is waited on (`drain`, `settle`, `emit`), or
@@ -81,12 +83,17 @@ class ResponseWriter:
         attempt loses between appends anyway, as the turn had not ended."""
         self._deferred = True
 
+    def hold(self) -> None:
+        """Keep what is sent from now on (the upstream's last read: its turn is ending) until the
+        writer is waited on: `end_turn` may then keep it for the response's end (`emit(final=True)`)."""
+        self._holding = True
+
     def send(self, events: list[dict[str, Any]]) -> None:
         """Append `events` after those sent before, without waiting (see `drain`)."""
         self._raise_failure()
-        self._abandoned = False
+        self._abandoned = self._kept = False
         self._pending += events
-        waits = self._deferred and len(self._pending) < DEFERRED_MOST
+        waits = (self._deferred or self._holding) and len(self._pending) < DEFERRED_MOST
         if self._inflight is None and self._pending and not waits:
             self._submit()
 
@@ -94,6 +101,18 @@ class ResponseWriter:
         """Wait until everything sent has landed; raise what an append met."""
         await self._landing()
         self._raise_failure()
+
+    async def end_turn(self) -> None:
+        """A model turn's end: wait until what is in flight has landed, and raise what an append
+        met. While no output has landed (a response not streamed, or one whose whole answer came in
+        one read), what is sent is kept for the response's end, one append with its terminal event
+        after its commit (DESIGN.md §4): else it is appended and waited for, as `drain` does."""
+        await self._flying()
+        self._raise_failure()
+        if self.first_output_at is None:  # a later `send` (a tool loop's next step) takes it along
+            self._holding, self._kept = False, True
+            return
+        await self.drain()
 
     async def settle(self) -> None:
         """Wait until what was sent is appended or an append fails, whatever it meets: then
@@ -107,6 +126,7 @@ class ResponseWriter:
         self._pending.clear()
         self._abandoned = True
         self._failure = None
+        self._holding = self._kept = False
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -114,13 +134,23 @@ class ResponseWriter:
             raise failure
 
     async def _landing(self) -> None:
-        """Until nothing is in flight (what was sent meanwhile included, what a deferring writer
-        keeps too)."""
+        """Until nothing is in flight (what was sent meanwhile included, what a deferring or holding
+        writer keeps too)."""
+        keeps = self._deferred or self._holding or self._kept
+        self._holding = self._kept = False
         while True:
-            if self._deferred and self._pending and self._inflight is None and self._failure is None:
+            if keeps and self._pending and self._inflight is None and self._failure is None:
                 self._submit()
             if self._inflight is None:
                 return
+            if self._idle is None:
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
+
+    async def _flying(self) -> None:
+        """Until the batch in flight, if any, has landed (what waits is not sent: the writer holds)."""
+        self._holding = True
+        while self._inflight is not None:
             if self._idle is None:
                 self._idle = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._idle)
@@ -169,7 +199,7 @@ class ResponseWriter:
             self._pending.clear()
         else:
             self._failure = failure
-        if self._failure is None and self._pending:
+        if self._failure is None and self._pending and not self._holding:
             self._submit()
             return
         self._wake()
@@ -214,10 +244,18 @@ class ResponseWriter:
         leaving: Leaving | None = None,
     ) -> None:
         """Append `events`; raise `FencedOutError`, or `CancelRequestedError` (unless this is the
-        final append). With `retain_seconds` (a final append), the response's keys are kept that
+        final append, which carries what the writer keeps before them: `end_turn`, `defer`). With
+        `retain_seconds` (a final append), the response's keys are kept that
         long from then on (`expire_response`, in the same round trip); with `leaving`, it leaves its
         queue and its lease is given back in it too (`EventLog.append`)."""
-        await self._landing()  # after what `send` has in flight
+        if final:  # what the writer keeps goes with it, in one append (`end_turn`)
+            await self._flying()
+            if self._pending:
+                events = [*coalesce.merge_deltas(self._pending), *events]
+                self._pending = []
+            self._holding = self._kept = False
+        else:
+            await self._landing()  # after what `send` has in flight
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds, leaving)
         self._counted(encoded)
@@ -264,7 +302,10 @@ def next_sequence_after(last: Event | None) -> int:
 
 async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_seconds: int) -> None:
     """End the stream with `response`'s terminal event unless its newest event already is one; then
-    start its retention clock. The writer's lease must be held.
+    start its retention clock. The writer's lease must be held. A stream that told none of the
+    response's output (its newest event comes before any: an end committed whose last append, its
+    whole output with its terminal event, was lost) tells it first (`output.tell_whole`), so the
+    stream adds up to the Response.
 
     Where the stream ends is read once the writer has settled: an append of its own still in flight
     (an abandoned attempt's) may already be in the stream while its outcome is not yet counted, and
@@ -273,9 +314,12 @@ async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_secon
     await writer.settle()
     last = await last_event(writer.log.redis, writer.lease.response_id)
     if last is None or not last.is_terminal:
+        told: list[dict[str, Any]] = []
         if last is not None:  # an append of another writer's may have landed after this one counted
             writer.next_sequence = next_sequence_after(last)
-        await writer.emit([terminal_event(response)], final=True, retain_seconds=ttl_seconds)
+            if last.type in BEFORE_OUTPUT:  # none of its output told: its end was committed first
+                told = output.tell_whole(response.get("output") or [])
+        await writer.emit([*told, terminal_event(response)], final=True, retain_seconds=ttl_seconds)
     else:
         await expire_response(writer.log.redis, writer.lease.response_id, ttl_seconds)
 

@@ -256,6 +256,7 @@ async def _produce(
 ) -> dict[str, Any] | None:
     """The final Response of this attempt, or None when it was cancelled."""
     rt.generating.add(stored.id)
+    outcome = None
     try:
         if not announced:  # appended while the upstream call starts
             writer.send([{"type": "response.in_progress", "response": response}])
@@ -284,7 +285,8 @@ async def _produce(
         return failed(response, message, int(time.time()), code=exc.code, output=streamed)
     finally:
         rt.generating.discard(stored.id)
-        await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
+        if outcome is None:  # what it kept for its end (`end_turn`) goes with it
+            await writer.abandon()  # a no-op unless the attempt ends here with appends in flight
     return finished(
         response,
         Status(outcome.status),
@@ -418,11 +420,16 @@ async def _translate(
 
     Each payload is translated and its events sent as it comes, in the upstream call's own callback
     (`stream_into`); the next ones are read while they are being appended (`ResponseWriter.send`).
+    The read that ends the stream is held, and while no output has landed the turn's end keeps it
+    for the response's end (`ResponseWriter.end_turn`): a whole answer that came in one read is
+    appended with its terminal event, after the commit.
     An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
     However the call ends (a cancel, a fence the writer raises), the upstream call is closed at once.
     """
 
-    def consume(payloads: list[dict[str, Any]]) -> None:
+    def consume(payloads: list[dict[str, Any]], ends: bool) -> None:
+        if ends:  # the turn's last events: they may go with the response's end (`end_turn`)
+            writer.hold()
         if len(payloads) == 1:  # a token a read: the steady pace's
             writer.send(translate(payloads[0]))
             return
@@ -443,7 +450,7 @@ async def _translate(
         await writer.abandon()
         raise
     writer.send(events)
-    await writer.drain()
+    await writer.end_turn()
     return outcome
 
 
@@ -466,13 +473,17 @@ async def _finish(
     row_wait_until: float | None = None,
 ) -> None:
     """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored.
+    What the writer kept (a turn whose output had not landed: `ResponseWriter.end_turn`) goes with
+    the terminal event, one append after the commit; were that append lost (fenced out, its lease
+    taken meanwhile), the next holder finds the row ended and tells its output from it (`end_stream`).
     With `row_wait_until` (an attempt that has not claimed its row: its create may still be inserting
     it), a row not there yet is waited for until then."""
     record = partial(_record_final, rt, stored, writer.lease.attempt, final)
     if row_wait_until is not None:
         record = partial(_when_the_row_is_there, rt, stored.id, record, row_wait_until)
     won = await _patiently(rt, record)
-    if not won:
+    if not won:  # what it kept for its end was never told: the stream ends as stored
+        await writer.abandon()
         await _end_as_stored(rt, writer)
         return
     # Its keys' retention clock starts with the terminal event, in the same round trip, and it leaves

@@ -190,8 +190,9 @@ class _UpstreamClient(Httpx2AiohttpClient):
         return http1.Http1Transport(fallback, limits.max_connections or 100)
 
 
-# What an upstream call hands on at once: the payloads of one read of its body (most often one).
-type Consume = Callable[[list[Payload]], object]
+# What an upstream call hands on at once: the payloads of one read of its body (most often one), and
+# whether the stream's end came with them (its ending payload, or `data: [DONE]`).
+type Consume = Callable[[list[Payload], bool], object]
 # An upstream call that hands the payloads it brings to the consumer it is given (`stream_into`).
 type Call = Callable[[Consume], Awaitable[None]]
 
@@ -253,7 +254,7 @@ async def stream_json(
     came: deque[Payload] = deque()
     more = asyncio.Event()
 
-    def consume(payloads: list[Payload]) -> None:
+    def consume(payloads: list[Payload], ends: bool) -> None:
         came.extend(payloads)
         more.set()
 
@@ -280,7 +281,7 @@ async def consume_all(payloads: AsyncGenerator[Payload], consume: Consume) -> No
     """Hand each of `payloads` to `consume` (a `Call` over a generator: the synthetic model's)."""
     async with aclosing(payloads):
         async for payload in payloads:
-            consume([payload])
+            consume([payload], False)
 
 
 async def post_json(
@@ -500,7 +501,7 @@ class _Reading:
             fault = exc
         if came:
             try:
-                self._consume(came)
+                self._consume(came, self.is_done or self.is_ended)
             except BaseException as exc:  # the consumer's word comes first, as it came first
                 self.consumer_error = exc
                 return True
@@ -512,7 +513,7 @@ class _Reading:
         """Hand on what is held (all of it, at a stream's proper end that carried no output)."""
         held, self._held = self._held, []
         if held:
-            self._consume(held)
+            self._consume(held, True)
 
 
 class _Silence:

@@ -316,6 +316,68 @@ def update_fields(item: Item, fields: dict[str, Any]) -> None:
             item.fields[key] = value
 
 
+def tell_whole(items: list[dict[str, Any]]) -> list[EventBody]:
+    """The events that tell finished `items` (a final Response's output) as a model turn tells them,
+    their ids kept, each part's text in one delta: what a stream that told none of them needs to add
+    up to that Response (DESIGN.md §4: a response whose end was committed while its last append,
+    which carried its whole output, was lost). An item of a type told whole (a hosted tool's call)
+    is added and done at once."""
+    out = Output()
+    events: list[EventBody] = []
+    for body in items:
+        item_type = str(body["type"])
+        fields = {**kept_fields(body), "id": body["id"], "type": item_type}
+        parts = [*(body.get("summary") or ()), *(body.get("content") or ())]
+        if item_type in ("message", "reasoning") and all(part.get("type") in PART_EVENTS for part in parts):
+            item = _new_item(out, fields)
+            events.append(item_event("added", item))
+            for summary in body.get("summary") or ():
+                events += _open_summary(item)
+                events += _told_text(item, item.summary[-1], str(summary.get("text") or ""), {})
+                events += _close_summary(item)
+            for part in body.get("content") or ():
+                events += _open_part(item, str(part["type"]))
+                _, text_field = PART_EVENTS[item.parts[-1].type]
+                events += _told_text(item, item.parts[-1], str(part.get(text_field) or ""), part)
+                events += _close_part(item, len(item.parts) - 1)
+            item.status = str(body.get("status") or "completed")
+            events.append(item_event("done", item))
+        elif item_type == "function_call":
+            item = _new_item(out, fields)
+            events.append(item_event("added", item))
+            events += append_arguments(item, str(body.get("arguments") or ""))
+            events += close_item(item, str(body.get("status") or "completed"))
+        else:
+            item = _new_item(out, {"id": body["id"], "type": item_type})
+            item.body = dict(body)
+            item.status = str(body.get("status") or "completed")
+            events += [item_event("added", item), item_event("done", item)]
+    return events
+
+
+def _told_text(item: Item, part: Part, text: str, given: dict[str, Any]) -> list[EventBody]:
+    """A whole part's text as one delta, and its annotations (`tell_whole`)."""
+    events: list[EventBody] = []
+    summary = part.type == "summary_text"
+    where: EventBody = {
+        **address(item),
+        "summary_index" if summary else "content_index": (len(item.summary) if summary else len(item.parts))
+        - 1,
+    }
+    if text:
+        part.text.append(text)
+        delta: EventBody = {"type": _DELTA_TYPES[part.type], **where, "delta": text}
+        if part.type == "output_text":
+            part.logprobs.extend(given.get("logprobs") or ())
+            delta["logprobs"] = list(part.logprobs)
+        events.append(delta)
+    for annotation in given.get("annotations") or ():
+        part.annotations.append(annotation)
+        added = {"type": "response.output_text.annotation.added", **where}
+        events.append({**added, "annotation_index": len(part.annotations) - 1, "annotation": annotation})
+    return events
+
+
 # --- closing ------------------------------------------------------------------------------------
 
 

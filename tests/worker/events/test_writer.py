@@ -17,6 +17,7 @@ from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import AppendResult, Event, EventLog, Leaving, read_events
 from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
+from worker.translation.output import output_items
 
 LEASE = Lease("resp_1", 1, "worker-a")
 
@@ -29,11 +30,13 @@ class ScriptedLog:
         self.answers = list(answers)
         self.landed: list[int] = []
         self.batches: list[list[str]] = []  # what each submitted append carried: event types or deltas
+        self.emitted: list[list[str]] = []  # likewise, each append waited for (`emit`)
         self.waiting: list[tuple[list[Event], Callable[[Any], object]]] = []
 
     async def append(
         self, lease: Lease, events: list[Event], retain_seconds: int = 0, leaving: Leaving | None = None
     ) -> AppendResult:
+        self.emitted.append([event.payload().get("delta", event.type) for event in events])
         answer = self._answer(events)
         if isinstance(answer, Exception):
             raise answer
@@ -157,6 +160,93 @@ async def test_a_deferring_writer_appends_once_enough_waits() -> None:
     assert log.batches == []
     writer.send([{"type": "response.output_item.added", "output_index": DEFERRED_MOST}])
     assert [len(batch) for batch in log.batches] == [DEFERRED_MOST]
+
+
+async def test_a_turn_that_told_no_output_keeps_it_for_the_end() -> None:
+    """The upstream's last read held (`hold`): nothing of it is appended, nor at the turn's end while
+    no output has landed (`end_turn`); the final `emit` appends it with the terminal event, one append,
+    deltas merged, numbered on from what landed."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=2)  # type: ignore[arg-type]
+    writer.send([{"type": "response.in_progress"}])
+    log.answer()
+    writer.hold()
+    writer.send([{"type": "response.output_item.added"}, _delta("a")])
+    writer.send([_delta("b"), {"type": "response.output_item.done"}])
+    await writer.end_turn()
+    assert log.batches == [["response.in_progress"]]
+    await writer.emit([{"type": "response.completed"}], final=True)
+    assert log.emitted == [
+        ["response.output_item.added", "ab", "response.output_item.done", "response.completed"]
+    ]
+    assert (log.landed, writer.next_sequence) == ([2, 3, 4, 5, 6], 7)
+
+
+async def test_a_turn_whose_output_landed_is_appended_before_its_end() -> None:
+    """Once output has landed (a client may be following it), a turn's end appends what its last read
+    brought and waits for it, as `drain` does: the end's append carries its terminal event alone."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([_delta("a")])
+    writer.hold()
+    writer.send([_delta("b")])
+    ending = asyncio.create_task(writer.end_turn())
+    await asyncio.sleep(0)
+    assert log.batches == [["a"]] and not ending.done()  # what is in flight lands first
+    log.answer()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert log.batches == [["a"], ["b"]] and not ending.done()
+    log.answer()
+    await ending
+    await writer.emit([{"type": "response.completed"}], final=True)
+    assert log.emitted == [["response.completed"]]
+    assert log.landed == [0, 1, 2]
+
+
+async def test_a_turns_end_raises_what_its_batch_in_flight_met() -> None:
+    """A fence met by the batch in flight at a turn's end is raised there, before any commit."""
+    log = ScriptedLog(AppendResult.FENCED)
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.send([{"type": "response.in_progress"}])
+    writer.hold()
+    writer.send([_delta("a")])
+    ending = asyncio.create_task(writer.end_turn())
+    await asyncio.sleep(0)
+    log.answer()
+    with pytest.raises(FencedOutError):
+        await ending
+    assert log.batches == [["response.in_progress"]]
+
+
+async def test_what_a_turn_kept_goes_with_the_next_send() -> None:
+    """A turn that kept its last read, followed by more (a tool loop's next step, whose progress a
+    client may be following): the next `send` appends what was kept with it, at once."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.hold()
+    writer.send([{"type": "response.output_item.added"}])
+    await writer.end_turn()
+    assert log.batches == []
+    writer.send([{"type": "response.mcp_call.in_progress"}])
+    assert log.batches == [["response.output_item.added", "response.mcp_call.in_progress"]]
+
+
+async def test_what_a_held_writer_keeps_goes_before_a_later_emit() -> None:
+    """A turn that kept its last read (no output landed) and is followed by more (a tool loop's next
+    step) appends what it kept first, in order, with the next `emit`."""
+    log = ScriptedLog()
+    writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
+    writer.hold()
+    writer.send([_delta("a")])
+    await writer.end_turn()
+    emitting = asyncio.create_task(writer.emit([{"type": "response.output_item.done"}]))
+    await asyncio.sleep(0)
+    assert log.batches == [["a"]]
+    log.answer()
+    await emitting
+    assert log.emitted == [["response.output_item.done"]]
+    assert (log.landed, writer.next_sequence) == ([0, 1], 2)
 
 
 async def test_a_fenced_append_is_raised_once_and_what_waited_is_not_sent() -> None:
@@ -299,3 +389,46 @@ async def test_a_stream_is_ended_after_an_abandoned_batch_that_landed_uncounted(
         (2, "response.output_item.added"),
         (3, "response.failed"),
     ]
+
+
+@pytest.mark.integration
+async def test_a_stream_that_told_none_of_its_output_ends_telling_it(redis: Redis) -> None:
+    """A response whose end was committed while its last append (its whole output) was lost: whoever
+    ends its stream from the stored Response tells that output before the terminal event, so the
+    stream adds up to the Response (DESIGN.md §4); a stream that told output gets the terminal alone."""
+    from worker.translation.replay import rebuild
+
+    message = {
+        "type": "message",
+        "id": "msg_1",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "kept whole", "annotations": [], "logprobs": []}],
+    }
+    for told_output in (False, True):
+        response_id = f"resp_{uuid.uuid4().hex}"
+        lease = await Leases(redis, 5).acquire(response_id, "worker-a")
+        assert lease is not None
+        writer = ResponseWriter(EventLog(redis), lease, next_sequence=0)
+        opening = [{"type": "response.created"}, {"type": "response.in_progress"}]
+        if told_output:
+            opening.append({"type": "response.output_item.added", "output_index": 0, "item": message})
+        await writer.emit(opening)
+        response = {"id": response_id, "status": "completed", "output": [message]}
+        await end_stream(writer, response, 60)
+        told = await read_events(redis, response_id)
+        assert [event.sequence_number for event in told] == list(range(len(told)))
+        assert told[-1].type == "response.completed"
+        kinds = [event.type for event in told[len(opening) : -1]]
+        if told_output:
+            assert kinds == []
+        else:
+            assert kinds == [
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+            ]
+            assert output_items(rebuild(event.payload() for event in told)) == [message]

@@ -260,12 +260,19 @@ async def test_a_port_nobody_listens_on_is_a_transient_connect_fault(peer: Peer)
 
 async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_time(peer: Peer) -> None:
     """Each frame comes 20 ms after the last: each payload reaches the consumer as its frame comes
-    (pushed from the connection's callback), before the next one is sent."""
+    (pushed from the connection's callback), before the next one is sent; the stream's end is told
+    with the one that ends it (its `finish_reason`), not before."""
     peer.answer = "trickle"
     client = create_client(60, 4)
     route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
     came: list[tuple[float, dict[str, Any]]] = []
+    ended: list[bool] = []
     loop = asyncio.get_running_loop()
+
+    def consume(payloads: list[dict[str, Any]], ends: bool) -> None:
+        came.extend((loop.time(), p) for p in payloads)
+        ended.append(ends)
+
     try:
         await stream_into(
             client,
@@ -274,29 +281,39 @@ async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_t
             BODY,
             NO_RETRIES,
             CHAT_STREAM,
-            lambda payloads: came.extend((loop.time(), p) for p in payloads),
+            consume,
         )
         await asyncio.sleep(0.1)  # its last chunk comes 20 ms after its [DONE]: drained, then kept
         assert await _words(client, peer) == ANSWER
     finally:
         await client.aclose()
     assert [payload["choices"][0]["delta"].get("content") for _, payload in came] == ["one ", "two", None]
+    assert ended == [False, False, True]
     assert all(later - earlier >= 0.01 for (earlier, _), (later, _) in itertools.pairwise(came))
     assert peer.connections == 1
 
 
 async def test_what_comes_in_one_read_is_handed_on_in_one_call(peer: Peer) -> None:
     """The whole answer in one write (its frames over two HTTP chunks, one read): its payloads reach
-    the consumer together, in one call (the writer then appends their events in one round trip)."""
+    the consumer together, in one call (the writer then appends their events in one round trip), told
+    that the stream's end came with them (the writer keeps their events for the response's end)."""
     client = create_client(60, 4)
     route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
-    calls: list[list[dict[str, Any]]] = []
+    calls: list[tuple[list[dict[str, Any]], bool]] = []
     try:
-        await stream_into(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM, calls.append)
+        await stream_into(
+            client,
+            route,
+            "/chat/completions",
+            BODY,
+            NO_RETRIES,
+            CHAT_STREAM,
+            lambda payloads, ends: calls.append((payloads, ends)),
+        )
     finally:
         await client.aclose()
-    contents = [[payload["choices"][0]["delta"].get("content") for payload in call] for call in calls]
-    assert contents == [["one ", "two", None]]
+    contents = [([p["choices"][0]["delta"].get("content") for p in call], ends) for call, ends in calls]
+    assert contents == [(["one ", "two", None], True)]
 
 
 class _Refused(Exception):
@@ -312,7 +329,7 @@ async def test_a_consumer_that_raises_ends_the_call_with_what_it_raised(peer: Pe
     route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
     refusal = _Refused()
 
-    def refuse(payloads: list[dict[str, Any]]) -> None:
+    def refuse(payloads: list[dict[str, Any]], ends: bool) -> None:
         raise refusal
 
     try:
@@ -336,7 +353,7 @@ async def test_a_cancel_while_a_body_is_pushed_closes_its_connection(peer: Peer)
     came: list[dict[str, Any]] = []
     first = asyncio.Event()
 
-    def consume(payloads: list[dict[str, Any]]) -> None:
+    def consume(payloads: list[dict[str, Any]], ends: bool) -> None:
         came.extend(payloads)
         first.set()
 

@@ -189,7 +189,8 @@ def test_a_ticketed_response_taken_before_its_row_landed_waits_for_it(lab: Lab, 
     """A create queues a ticketed response while it inserts the row (DESIGN.md §2.1): a worker that
     takes it first calls the upstream at once, streams as the upstream answers, and records the
     end only once the row came (the end claims it): no terminal event before."""
-    lab.upstream.script(lab.model, {"text": "late but whole"})
+    # A word every 50 ms: an answer that came in one read would be told with its end (`end_turn`).
+    lab.upstream.script(lab.model, {"text": "late but whole", "delay": 0.05})
     body = {"model": lab.model, "input": "row comes late", "background": background, "stream": True}
     request = parse_create_request(body)
     response_id = new_id("resp")

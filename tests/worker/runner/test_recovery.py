@@ -20,10 +20,13 @@ from tests.support.faults import (
     signal_process,
     wait_until_ended,
 )
-from tests.support.lab import Lab
+from tests.support.lab import Lab, has_output
 from tests.support.stack import Servers, wait_for
+from worker.keys import events_key, lease_key
 from worker.runner.attempt import WORKER_LOST
 from worker.runner.recovery import GIVEN_UP
+from worker.translation.output import output_items
+from worker.translation.replay import rebuild
 
 # Each test starts and kills several processes: on a loaded 2-core machine that takes a while.
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]
@@ -107,6 +110,56 @@ def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab:
     assert {statuses[rid] for rid in talking_ids} == {"failed"}
     fresh = lab.create(quiet, 1)  # the woken worker (or the rescuer) still serves new work
     assert wait_until_ended(lab.sdk, fresh, timeout=60) == {fresh[0]: "completed"}
+
+
+def test_an_end_committed_whose_last_append_was_lost_is_told_from_the_row(lab: Lab, backing: Servers) -> None:
+    """A background response's whole answer came in one read: its worker commits the end, then
+    appends its output with its terminal event (DESIGN.md §4). Here its lease is taken while the end's
+    statement waits on the row, so that append is fenced out after the commit won. The response runs
+    again: its next attempt finds the row ended and ends the stream from it, its output told first.
+    The stream adds up to the stored Response, and the model is asked once."""
+    lab.upstream.script(lab.model, {"text": "told from the row", "first_delay": 1.0, "together": True})
+    worker = lab.start("committer")
+    (response_id,) = lab.create(lab.model, 1)
+    lab.held_by([response_id], worker)
+    engine = create_engine(backing.database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("SELECT 1 FROM response WHERE id = :id FOR UPDATE"), {"id": response_id})
+            me = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            # The end's statement, waiting on this transaction's lock (read outside a transaction,
+            # which would keep one snapshot of the activity).
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as watcher:
+                blocked = text("SELECT count(*) FROM pg_stat_activity WHERE :me = ANY(pg_blocking_pids(pid))")
+                wait_for(
+                    lambda: watcher.execute(blocked, {"me": me}).scalar_one() > 0,
+                    timeout=30,
+                    what="the end's statement to wait on the row",
+                )
+            assert not has_output(lab.redis, response_id)  # the answer came; its output waits for the end
+            attempt = int(lab.redis.get(lease_key(response_id)).decode().partition(":")[0])
+            # As a next attempt takes a lease that expired: this one's, for a second (then the sweep's).
+            lab.redis.set(lease_key(response_id), f"{attempt + 1}:thief", px=1000)
+    finally:
+        engine.dispose()
+    wait_for(lambda: "was fenced out" in lab.stack.log("committer"), timeout=30, what="the append fenced out")
+    assert "lease lost" not in lab.stack.log("committer")  # fenced by its append, after its commit
+    assert lab.sdk.responses.retrieve(response_id).status == "completed"
+    wait_until_ended(lab.sdk, [response_id], timeout=60)
+    wait_for(lambda: _stream_ended(lab, response_id), timeout=60, what="the stream to end")
+    stored = check_ended(lab.sdk, response_id)
+    events = [event.model_dump(mode="json") for event in lab.sdk.responses.retrieve(response_id, stream=True)]
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        == "told from the row"
+    )
+    assert output_items(rebuild(events)) == stored["output"]
+    assert len(lab.upstream.requests(lab.model)) == 1
+
+
+def _stream_ended(lab: Lab, response_id: str) -> bool:
+    newest = lab.redis.xrevrange(events_key(response_id), count=1)
+    return bool(newest) and newest[0][1][b"t"] in (b"response.completed", b"response.failed")
 
 
 def test_rolling_restart_fails_no_response(lab: Lab) -> None:

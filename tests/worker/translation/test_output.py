@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.schema import validate_event
 from tests.worker.translation import test_chat_stream, test_native
-from worker.translation.output import close_open, output_items
+from worker.translation.output import close_open, output_items, tell_whole
 from worker.translation.replay import rebuild
 
 Events = list[dict[str, Any]]
@@ -145,3 +145,47 @@ def test_a_web_search_is_told_run_and_rebuilt_as_openai_tells_it() -> None:
     assert to_chat_messages(None, [searched])[1]["content"] == (
         "Searched the web for 'respool'. Sources: https://x.org/r"
     )
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_finished_items_told_whole_add_up_to_themselves(name: str) -> None:
+    """A final Response's output told whole (its end committed, its last append lost: DESIGN.md §4)
+    rebuilds into exactly those items, ids kept; the events keep the SDK's order rules and schemas,
+    and the SDK's stream accumulator takes them into the same items and text."""
+    from openai import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+
+    final = [event["item"] for event in STREAMS[name] if event["type"] == "response.output_item.done"]
+    told = tell_whole(final)
+    rebuilt = rebuild(told)
+    assert close_open(rebuilt, "incomplete") == []
+    assert output_items(rebuilt) == final
+    added = [e for e in told if e["type"] == "response.output_item.added"]
+    assert [e["output_index"] for e in added] == list(range(len(final)))
+    for event in added:  # as a turn tells them: opened empty, filled by deltas
+        if event["item"]["type"] == "message":
+            assert (event["item"]["status"], event["item"]["content"]) == ("in_progress", [])
+        elif event["item"]["type"] == "function_call":
+            assert (event["item"]["status"], event["item"]["arguments"]) == ("in_progress", "")
+    outcome = test_native.Outcome(status="completed", output=final, usage=None, incomplete_details=None)
+    state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in test_native.numbered(told, outcome):
+        if not test_native._is_hosted(event):  # the schema has no hosted tool items
+            validate_event(event)
+        state.handle_event(test_native.EVENT.validate_python(event))
+    snapshot = state._ResponseStreamState__current_snapshot  # type: ignore[attr-defined]
+    assert [(item.type, item.id) for item in snapshot.output] == [(i["type"], i["id"]) for i in final]
+    # (the SDK's accumulator folds output text alone: a refusal's deltas are left to the client)
+    texts = [
+        [p.text for p in i.content if p.type == "output_text"] for i in snapshot.output if i.type == "message"
+    ]
+    assert texts == [
+        [p["text"] for p in i["content"] if p["type"] == "output_text"]
+        for i in final
+        if i["type"] == "message"
+    ]
+
+
+def test_nothing_to_tell_is_told_as_nothing() -> None:
+    """An end with no output (a cancel, a failure before any) tells no item."""
+    assert tell_whole([]) == []
