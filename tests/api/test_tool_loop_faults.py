@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,49 @@ def test_a_cancel_reaches_a_loop_waiting_on_a_tool(
     assert done[0].error is not None and done[0].error.message.startswith("Cancelled")  # type: ignore[union-attr]
     assert "response.mcp_call.failed" in [e.type for e in events]
     assert len(upstream.requests(model)) == 1  # no model turn after the cancel
+
+
+def test_a_call_is_told_while_it_runs(
+    client: openai.OpenAI, upstream: ScriptedUpstream, mcp_server: McpServerProcess, model: str
+) -> None:
+    """A response on a chain that listed its server's tools already (so it lists none: no output of
+    its own before its turn), whose turn's whole answer, a call of a tool respool runs, came in one
+    read: the call is told to a client following the stream while the tool runs (a minute here), not
+    kept for the response's end (`ResponseWriter.end_turn`, then `ToolLoop.run`)."""
+    mcp_server.reset()
+    slow_call = {"tool_loop": {"tool": "slow", "arguments": {"seconds": 60}}, "together": True}
+    upstream.script(model, {"times": 1, "text": "ready", "then": slow_call})
+    first = client.responses.create(model=model, input="hi", tools=[mcp_tool(mcp_server)])  # type: ignore[list-item]
+    assert [item.type for item in first.output] == ["mcp_list_tools", "message"]
+    stream = client.responses.create(
+        model=model,
+        input="wait",
+        previous_response_id=first.id,
+        tools=[mcp_tool(mcp_server)],  # type: ignore[list-item]
+        background=True,
+        stream=True,
+    )
+    response_id = ""
+
+    def until_the_call() -> list[str]:
+        nonlocal response_id
+        seen = []
+        for event in stream:
+            seen.append(event.type)
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.mcp_call.in_progress":
+                return seen
+        return seen
+
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(until_the_call)
+        try:
+            seen = reading.result(timeout=30)  # told before the call: it runs for a minute after
+            wait_for(lambda: mcp_server.calls().get("slow"), timeout=30, what="the slow tool to be called")
+        finally:
+            wait_for(lambda: response_id, timeout=30, what="the response's id")
+            client.responses.cancel(response_id)  # ends the stream the thread reads, if it still does
+            stream.close()
+    assert seen[-1] == "response.mcp_call.in_progress" and "response.mcp_list_tools.in_progress" not in seen
+    assert client.responses.retrieve(response_id).status == "cancelled"

@@ -126,6 +126,9 @@ class ToolLoop:
             usage = add_usage(usage, outcome.usage)
             if outcome.status != "completed" or not out.pending:
                 return Outcome(outcome.status, outcome.incomplete_details, output.output_items(out), usage)
+            # The turn's events are told before its calls run (a turn's end may have kept them for
+            # the response's end: `ResponseWriter.end_turn`), so a client sees each call as it runs.
+            await self.writer.drain()
             if usage is not None:
                 await self._keep(_USAGE, usage)
             for item in list(out.pending):
