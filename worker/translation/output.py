@@ -358,12 +358,10 @@ def tell_whole(items: list[dict[str, Any]]) -> list[EventBody]:
 def _told_text(item: Item, part: Part, text: str, given: dict[str, Any]) -> list[EventBody]:
     """A whole part's text as one delta, and its annotations (`tell_whole`)."""
     events: list[EventBody] = []
-    summary = part.type == "summary_text"
-    where: EventBody = {
-        **address(item),
-        "summary_index" if summary else "content_index": (len(item.summary) if summary else len(item.parts))
-        - 1,
-    }
+    if part.type == "summary_text":
+        where: EventBody = {**address(item), "summary_index": len(item.summary) - 1}
+    else:
+        where = {**address(item), "content_index": len(item.parts) - 1}
     if text:
         part.text.append(text)
         delta: EventBody = {"type": _DELTA_TYPES[part.type], **where, "delta": text}
