@@ -274,15 +274,7 @@ async def test_a_body_that_comes_a_frame_at_a_time_is_handed_on_a_payload_at_a_t
         ended.append(ends)
 
     try:
-        await stream_into(
-            client,
-            route,
-            "/chat/completions",
-            BODY,
-            NO_RETRIES,
-            CHAT_STREAM,
-            consume,
-        )
+        await stream_into(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM, consume)
         await asyncio.sleep(0.1)  # its last chunk comes 20 ms after its [DONE]: drained, then kept
         assert await _words(client, peer) == ANSWER
     finally:
@@ -300,16 +292,12 @@ async def test_what_comes_in_one_read_is_handed_on_in_one_call(peer: Peer) -> No
     client = create_client(60, 4)
     route = Route("m", UpstreamApi.CHAT, f"http://127.0.0.1:{peer.port}/v1")
     calls: list[tuple[list[dict[str, Any]], bool]] = []
+
+    def consume(payloads: list[dict[str, Any]], ends: bool) -> None:
+        calls.append((payloads, ends))
+
     try:
-        await stream_into(
-            client,
-            route,
-            "/chat/completions",
-            BODY,
-            NO_RETRIES,
-            CHAT_STREAM,
-            lambda payloads, ends: calls.append((payloads, ends)),
-        )
+        await stream_into(client, route, "/chat/completions", BODY, NO_RETRIES, CHAT_STREAM, consume)
     finally:
         await client.aclose()
     contents = [([p["choices"][0]["delta"].get("content") for p in call], ends) for call, ends in calls]
