@@ -23,9 +23,10 @@ from worker.events.stream import (
     encode,
     expire_response,
     last_event,
+    read_events,
 )
 from worker.outages import is_outage, patiently
-from worker.translation import coalesce, output
+from worker.translation import coalesce, output, replay
 
 log = logging.getLogger("respool.runner")
 
@@ -104,15 +105,13 @@ class ResponseWriter:
 
     async def end_turn(self) -> None:
         """A model turn's end: wait until what is in flight has landed, and raise what an append
-        met. While no output has landed (a response not streamed, or one whose whole answer came in
-        one read), what is sent is kept for the response's end, one append with its terminal event
-        after its commit (DESIGN.md §4): else it is appended and waited for, as `drain` does."""
+        met; what waits (the turn's last read) is kept for the response's end, one append with its
+        terminal event after its commit (DESIGN.md §4), or for a later `send` (a tool loop's next
+        step takes it along). Were that last append lost, the next holder tells what it carried
+        from the row (`end_stream`)."""
         await self._flying()
         self._raise_failure()
-        if self.first_output_at is None:  # a later `send` (a tool loop's next step) takes it along
-            self._holding, self._kept = False, True
-            return
-        await self.drain()
+        self._holding, self._kept = False, True
 
     async def settle(self) -> None:
         """Wait until what was sent is appended or an append fails, whatever it meets: then
@@ -302,10 +301,10 @@ def next_sequence_after(last: Event | None) -> int:
 
 async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_seconds: int) -> None:
     """End the stream with `response`'s terminal event unless its newest event already is one; then
-    start its retention clock. The writer's lease must be held. A stream that told none of the
-    response's output (its newest event comes before any: an end committed whose last append, its
-    whole output with its terminal event, was lost) tells it first (`output.tell_whole`), so the
-    stream adds up to the Response.
+    start its retention clock. The writer's lease must be held. What the stream has not told of the
+    response's output (an end committed whose last append, the rest of its output with its terminal
+    event, was lost) is told first, after what it told (`output.tell_rest`; all of it, when its
+    newest event comes before any output: `output.tell_whole`), so the stream adds up to the Response.
 
     Where the stream ends is read once the writer has settled: an append of its own still in flight
     (an abandoned attempt's) may already be in the stream while its outcome is not yet counted, and
@@ -317,8 +316,12 @@ async def end_stream(writer: ResponseWriter, response: dict[str, Any], ttl_secon
         told: list[dict[str, Any]] = []
         if last is not None:  # an append of another writer's may have landed after this one counted
             writer.next_sequence = next_sequence_after(last)
-            if last.type in BEFORE_OUTPUT:  # none of its output told: its end was committed first
-                told = output.tell_whole(response.get("output") or [])
+            items = response.get("output") or []
+            if last.type in BEFORE_OUTPUT:  # none of its output told
+                told = output.tell_whole(items)
+            elif items:  # some told: the rest follows it
+                events = await read_events(writer.log.redis, writer.lease.response_id)
+                told = output.tell_rest(replay.rebuild(event.payload() for event in events), items)
         await writer.emit([*told, terminal_event(response)], final=True, retain_seconds=ttl_seconds)
     else:
         await expire_response(writer.log.redis, writer.lease.response_id, ttl_seconds)

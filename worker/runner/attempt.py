@@ -26,7 +26,7 @@ from worker.errors import (
 from worker.events.lease import Lease
 from worker.events.stream import Event, decode_flat, expire_response, last_event, read_events, start_over
 from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
-from worker.outages import patiently
+from worker.outages import is_outage, patiently
 from worker.postgres import conversations, store
 from worker.protocol import compaction, items
 from worker.protocol.response import APPENDED, LIVE, TERMINAL, Status, failed, finished
@@ -420,9 +420,10 @@ async def _translate(
 
     Each payload is translated and its events sent as it comes, in the upstream call's own callback
     (`stream_into`); the next ones are read while they are being appended (`ResponseWriter.send`).
-    The read that ends the stream is held, and while no output has landed the turn's end keeps it
-    for the response's end (`ResponseWriter.end_turn`): a whole answer that came in one read is
-    appended with its terminal event, after the commit.
+    The read that ends the stream is held, and the turn's end keeps it for the response's end
+    (`ResponseWriter.end_turn`): what it brought (a whole answer that came in one read, else the
+    turn's last words and the ends of its parts and items) is appended with the terminal event,
+    after the commit.
     An upstream fault ends the items opened so far in `out` `incomplete` (`_fail_mid_stream`).
     However the call ends (a cancel, a fence the writer raises), the upstream call is closed at once.
     """
@@ -473,15 +474,16 @@ async def _finish(
     row_wait_until: float | None = None,
 ) -> None:
     """Commit the final Response (fenced), then end the stream; if the commit lost, end as stored.
-    What the writer kept (a turn whose output had not landed: `ResponseWriter.end_turn`) goes with
-    the terminal event, one append after the commit; were that append lost (fenced out, its lease
-    taken meanwhile), the next holder finds the row ended and tells its output from it (`end_stream`).
+    What the writer kept (the last model turn's last read: `ResponseWriter.end_turn`) goes with the
+    terminal event, one append after the commit; were that append lost (fenced out, its lease taken
+    meanwhile), the next holder finds the row ended and tells the output the stream had not told
+    from it (`end_stream`).
     With `row_wait_until` (an attempt that has not claimed its row: its create may still be inserting
     it), a row not there yet is waited for until then."""
     record = partial(_record_final, rt, stored, writer.lease.attempt, final)
     if row_wait_until is not None:
         record = partial(_when_the_row_is_there, rt, stored.id, record, row_wait_until)
-    won = await _patiently(rt, record)
+    won = await _recorded(rt, writer, record)
     if not won:  # what it kept for its end was never told: the stream ends as stored
         await writer.abandon()
         await _end_as_stored(rt, writer)
@@ -496,6 +498,19 @@ async def _finish(
     rt.held.pop(rid, None)  # its lease is gone: the heartbeat has nothing to renew, nor to find lost
     rt.left_queue.add(rid)
     _observe(rt.metrics, writer, str(final["status"]))
+
+
+async def _recorded(rt: Runtime, writer: ResponseWriter, record: Callable[[], Awaitable[bool]]) -> bool:
+    """`record` (the end's commit), tried again while Postgres is unreachable (`_patiently`). What
+    the writer kept for the response's end is appended once the first try meets an outage, so that
+    a client following the stream sees all the model said while the end waits for Postgres."""
+    try:
+        return await record()
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+    await writer.settle()  # a fence or a cancel it met is the final append's to meet again
+    return await _patiently(rt, record)
 
 
 def _observe(metrics: WorkerMetrics, writer: ResponseWriter, status: str) -> None:

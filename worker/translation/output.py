@@ -322,52 +322,121 @@ def tell_whole(items: list[dict[str, Any]]) -> list[EventBody]:
     up to that Response (DESIGN.md §4: a response whose end was committed while its last append,
     which carried its whole output, was lost). An item of a type told whole (a hosted tool's call)
     is added and done at once."""
-    out = Output()
+    return tell_rest(Output(), items)
+
+
+def tell_rest(out: Output, items: list[dict[str, Any]]) -> list[EventBody]:
+    """The events that tell the rest of finished `items` after what a stream told of them (`out`,
+    its events rebuilt: `replay.rebuild`): an item it left open goes on where it stopped (each open
+    part's text that was not told in one delta, then its `.done` events), an item it never added is
+    told whole (`tell_whole`), one it ended is left as it is. So a stream whose last append (the end
+    of a model turn, kept for the response's end: DESIGN.md §4) was lost adds up to the Response.
+
+    What was told is a beginning of what the turn told: were a part's told text not the start of
+    its final text, or an item at an index another, its final text or item is told in its `.done`
+    event alone (which the SDK's accumulator takes), as nothing told can be taken back."""
     events: list[EventBody] = []
-    for body in items:
-        item_type = str(body["type"])
-        fields = {**kept_fields(body), "id": body["id"], "type": item_type}
-        parts = [*(body.get("summary") or ()), *(body.get("content") or ())]
-        if item_type in ("message", "reasoning") and all(part.get("type") in PART_EVENTS for part in parts):
-            item = _new_item(out, fields)
-            events.append(item_event("added", item))
-            for summary in body.get("summary") or ():
-                events += _open_summary(item)
-                events += _told_text(item, item.summary[-1], str(summary.get("text") or ""), {})
-                events += _close_summary(item)
-            for part in body.get("content") or ():
-                events += _open_part(item, str(part["type"]))
-                _, text_field = PART_EVENTS[item.parts[-1].type]
-                events += _told_text(item, item.parts[-1], str(part.get(text_field) or ""), part)
-                events += _close_part(item, len(item.parts) - 1)
-            item.status = str(body.get("status") or "completed")
-            events.append(item_event("done", item))
-        elif item_type == "function_call":
-            item = _new_item(out, fields)
-            events.append(item_event("added", item))
-            events += append_arguments(item, str(body.get("arguments") or ""))
-            events += close_item(item, str(body.get("status") or "completed"))
-        else:
-            item = _new_item(out, {"id": body["id"], "type": item_type})
-            item.body = dict(body)
-            item.status = str(body.get("status") or "completed")
-            events += [item_event("added", item), item_event("done", item)]
+    for index, body in enumerate(items):
+        if index < len(out.items):
+            item = out.items[index]
+            if item.id == body.get("id") and (out.current is item or out.side.get(item.id) is item):
+                events += _tell_end(out, item, body)
+            continue
+        events += _tell_item(out, body)
     return events
 
 
-def _told_text(item: Item, part: Part, text: str, given: dict[str, Any]) -> list[EventBody]:
-    """A whole part's text as one delta, and its annotations (`tell_whole`)."""
+def _tell_item(out: Output, body: dict[str, Any]) -> list[EventBody]:
+    """A finished item told whole, at the next output index (`tell_whole`)."""
+    item_type = str(body["type"])
+    if _has_text_parts(body):
+        item = _new_item(out, _fields_of(body))
+        return [item_event("added", item), *_tell_end(out, item, body)]
+    if item_type == "function_call":
+        item = _new_item(out, _fields_of(body))
+        return [item_event("added", item), *_tell_end(out, item, body)]
+    item = _new_item(out, {"id": body["id"], "type": item_type})
+    item.body = dict(body)
+    item.status = str(body.get("status") or "completed")
+    return [item_event("added", item), item_event("done", item)]
+
+
+def _tell_end(out: Output, item: Item, body: dict[str, Any]) -> list[EventBody]:
+    """The rest of an open `item`, to its finished `body`, and its `.done` event."""
+    out.side.pop(item.id, None)
+    if out.current is item:
+        out.current = None
+    status = str(body.get("status") or "completed")
+    if item.body is None and item.type in ("message", "reasoning") and _has_text_parts(body):
+        item.fields = _fields_of(body)
+        events = _rest_of_parts(item, item.summary, body.get("summary") or ())
+        events += _rest_of_parts(item, item.parts, body.get("content") or ())
+        item.status = status
+        return [*events, item_event("done", item)]
+    if item.body is None and item.type == "function_call":
+        item.fields = _fields_of(body)
+        told, whole = "".join(item.arguments), str(body.get("arguments") or "")
+        if whole.startswith(told):
+            events = append_arguments(item, whole[len(told) :])
+        else:
+            item.arguments, events = [whole], []
+        return [*events, *close_item(item, status)]
+    item.body = dict(body)  # told whole in its `.done` event
+    item.status = status
+    return [item_event("done", item)]
+
+
+def _rest_of_parts(item: Item, told: list[Part], parts: Iterable[dict[str, Any]]) -> list[EventBody]:
+    """The rest of an item's content parts (or its reasoning summary's, `told` being
+    `item.summary`): the last told part, if open, goes on; those not told are opened, told, closed."""
     events: list[EventBody] = []
-    if part.type == "summary_text":
-        where: EventBody = {**address(item), "summary_index": len(item.summary) - 1}
-    else:
-        where = {**address(item), "content_index": len(item.parts) - 1}
+    is_summary = told is item.summary
+    for index, given in enumerate(parts):
+        if index < len(told) and not told[index].is_open:
+            continue
+        if index >= len(told):
+            events += _open_summary(item) if is_summary else _open_part(item, str(given["type"]))
+        part = told[index]
+        _, text_field = PART_EVENTS[part.type]
+        text, said = str(given.get(text_field) or ""), "".join(part.text)
+        if not text.startswith(said):  # told in its `.done` event alone
+            part.text, said = [], text
+        rest = {
+            "logprobs": list(given.get("logprobs") or ())[len(part.logprobs) :],
+            "annotations": list(given.get("annotations") or ())[len(part.annotations) :],
+        }
+        events += _told_text(item, part, index, text[len(said) :], rest)
+        if not part.text and said:
+            part.text.append(said)
+        events += _close_summary(item) if is_summary else _close_part(item, index)
+    return events
+
+
+def _has_text_parts(body: dict[str, Any]) -> bool:
+    """Whether `body` is a message or reasoning item whose parts are all of types told as text."""
+    parts = [*(body.get("summary") or ()), *(body.get("content") or ())]
+    return body["type"] in ("message", "reasoning") and all(part.get("type") in PART_EVENTS for part in parts)
+
+
+def _fields_of(body: dict[str, Any]) -> dict[str, Any]:
+    return {**kept_fields(body), "id": body["id"], "type": str(body["type"])}
+
+
+def _told_text(item: Item, part: Part, index: int, text: str, given: dict[str, Any]) -> list[EventBody]:
+    """More of the `index`th part's text as one delta (its logprobs with it), and its annotations
+    not told yet."""
+    events: list[EventBody] = []
+    where: EventBody = {
+        **address(item),
+        ("summary_index" if part.type == "summary_text" else "content_index"): index,
+    }
+    logprobs = list(given.get("logprobs") or ()) if part.type == "output_text" else []
+    part.logprobs.extend(logprobs)
     if text:
         part.text.append(text)
         delta: EventBody = {"type": _DELTA_TYPES[part.type], **where, "delta": text}
         if part.type == "output_text":
-            part.logprobs.extend(given.get("logprobs") or ())
-            delta["logprobs"] = list(part.logprobs)
+            delta["logprobs"] = logprobs
         events.append(delta)
     for annotation in given.get("annotations") or ():
         part.annotations.append(annotation)

@@ -17,7 +17,7 @@ from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import AppendResult, Event, EventLog, Leaving, read_events
 from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
-from worker.translation.output import output_items
+from worker.translation.output import output_items, tell_whole
 
 LEASE = Lease("resp_1", 1, "worker-a")
 
@@ -182,9 +182,10 @@ async def test_a_turn_that_told_no_output_keeps_it_for_the_end() -> None:
     assert (log.landed, writer.next_sequence) == ([2, 3, 4, 5, 6], 7)
 
 
-async def test_a_turn_whose_output_landed_is_appended_before_its_end() -> None:
-    """Once output has landed (a client may be following it), a turn's end appends what its last read
-    brought and waits for it, as `drain` does: the end's append carries its terminal event alone."""
+async def test_a_turn_whose_output_landed_keeps_its_last_read_for_the_end() -> None:
+    """Output landed already (the upstream's reads came apart): a turn's end waits for what is in
+    flight, then keeps what its last read brought; the final `emit` appends that with the terminal
+    event, one append where the last read and the terminal event cost two."""
     log = ScriptedLog()
     writer = ResponseWriter(log, LEASE, next_sequence=0)  # type: ignore[arg-type]
     writer.send([_delta("a")])
@@ -194,13 +195,10 @@ async def test_a_turn_whose_output_landed_is_appended_before_its_end() -> None:
     await asyncio.sleep(0)
     assert log.batches == [["a"]] and not ending.done()  # what is in flight lands first
     log.answer()
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert log.batches == [["a"], ["b"]] and not ending.done()
-    log.answer()
     await ending
+    assert log.batches == [["a"]]
     await writer.emit([{"type": "response.completed"}], final=True)
-    assert log.emitted == [["response.completed"]]
+    assert log.emitted == [["b", "response.completed"]]
     assert log.landed == [0, 1, 2]
 
 
@@ -392,43 +390,55 @@ async def test_a_stream_is_ended_after_an_abandoned_batch_that_landed_uncounted(
 
 
 @pytest.mark.integration
-async def test_a_stream_that_told_none_of_its_output_ends_telling_it(redis: Redis) -> None:
-    """A response whose end was committed while its last append (its whole output) was lost: whoever
-    ends its stream from the stored Response tells that output before the terminal event, so the
-    stream adds up to the Response (DESIGN.md §4); a stream that told output gets the terminal alone."""
+@pytest.mark.parametrize("told_text", [None, "", "kept ", "kept whole", "done"])
+async def test_a_stream_is_told_the_output_it_had_not_told_before_its_end(
+    redis: Redis, told_text: str | None
+) -> None:
+    """A response whose end was committed while its last append (the rest of its output, with its
+    terminal event) was lost: whoever ends its stream from the stored Response tells what the stream
+    had not told of that output before the terminal event, after what it had, so the stream adds up
+    to the Response (DESIGN.md §4): all of it when it told none, the rest of a part it had begun, and
+    nothing when it had told it all. `told_text`: None, no item told; else the message added and that
+    much of its text told ("done": the message told to its end)."""
     from worker.translation.replay import rebuild
 
+    text = "kept whole"
     message = {
         "type": "message",
         "id": "msg_1",
         "role": "assistant",
         "status": "completed",
-        "content": [{"type": "output_text", "text": "kept whole", "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
     }
-    for told_output in (False, True):
-        response_id = f"resp_{uuid.uuid4().hex}"
-        lease = await Leases(redis, 5).acquire(response_id, "worker-a")
-        assert lease is not None
-        writer = ResponseWriter(EventLog(redis), lease, next_sequence=0)
-        opening = [{"type": "response.created"}, {"type": "response.in_progress"}]
-        if told_output:
-            opening.append({"type": "response.output_item.added", "output_index": 0, "item": message})
-        await writer.emit(opening)
-        response = {"id": response_id, "status": "completed", "output": [message]}
-        await end_stream(writer, response, 60)
-        told = await read_events(redis, response_id)
-        assert [event.sequence_number for event in told] == list(range(len(told)))
-        assert told[-1].type == "response.completed"
-        kinds = [event.type for event in told[len(opening) : -1]]
-        if told_output:
-            assert kinds == []
-        else:
-            assert kinds == [
-                "response.output_item.added",
-                "response.content_part.added",
-                "response.output_text.delta",
-                "response.output_text.done",
-                "response.content_part.done",
-                "response.output_item.done",
-            ]
-            assert output_items(rebuild(event.payload() for event in told)) == [message]
+    whole = tell_whole([message])
+    response_id = f"resp_{uuid.uuid4().hex}"
+    lease = await Leases(redis, 5).acquire(response_id, "worker-a")
+    assert lease is not None
+    writer = ResponseWriter(EventLog(redis), lease, next_sequence=0)
+    opening: list[dict[str, Any]] = [{"type": "response.created"}, {"type": "response.in_progress"}]
+    if told_text == "done":
+        opening += whole
+    elif told_text is not None:
+        opening += whole[:2]  # the item and its part added
+        if told_text:
+            opening.append({**whole[2], "delta": told_text})
+    await writer.emit(opening)
+    response = {"id": response_id, "status": "completed", "output": [message]}
+    await end_stream(writer, response, 60)
+    told = await read_events(redis, response_id)
+    assert [event.sequence_number for event in told] == list(range(len(told)))
+    assert told[-1].type == "response.completed"
+    payloads = [event.payload() for event in told]
+    assert output_items(rebuild(payloads)) == [message]
+    assert "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta") == text
+    rest = [event.type for event in told[len(opening) : -1]]
+    if told_text == "done":
+        assert rest == []
+        return
+    closing = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    if told_text == "kept whole":  # all its text told: the part goes on to its end
+        assert rest == closing
+    elif told_text is None:
+        assert rest == [*[e["type"] for e in whole[:3]], *closing]
+    else:
+        assert rest == ["response.output_text.delta", *closing]

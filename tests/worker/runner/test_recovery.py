@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import orjson
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
@@ -20,7 +21,7 @@ from tests.support.faults import (
     signal_process,
     wait_until_ended,
 )
-from tests.support.lab import Lab, has_output
+from tests.support.lab import Lab
 from tests.support.stack import Servers, wait_for
 from worker.keys import events_key, lease_key
 from worker.runner.attempt import WORKER_LOST
@@ -112,13 +113,23 @@ def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab:
     assert wait_until_ended(lab.sdk, fresh, timeout=60) == {fresh[0]: "completed"}
 
 
-def test_an_end_committed_whose_last_append_was_lost_is_told_from_the_row(lab: Lab, backing: Servers) -> None:
-    """A background response's whole answer came in one read: its worker commits the end, then
-    appends its output with its terminal event (DESIGN.md §4). Here its lease is taken while the end's
+@pytest.mark.parametrize("reads", ["one", "apart"])
+def test_an_end_committed_whose_last_append_was_lost_is_told_from_the_row(
+    lab: Lab, backing: Servers, reads: str
+) -> None:
+    """A background response's model turn ends: its worker commits the end, then appends what the
+    turn's last read brought with its terminal event (DESIGN.md §4): its whole answer when that came
+    in one read (`one`), else its last word and the ends of its part and item (`apart`: a word every
+    0.2 s, the words before it appended as they came). Here its lease is taken while the end's
     statement waits on the row, so that append is fenced out after the commit won. The response runs
-    again: its next attempt finds the row ended and ends the stream from it, its output told first.
-    The stream adds up to the stored Response, and the model is asked once."""
-    lab.upstream.script(lab.model, {"text": "told from the row", "first_delay": 1.0, "together": True})
+    again: its next attempt finds the row ended and ends the stream from it, telling first what the
+    stream had not told (all the output, or the rest of it). The stream adds up to the stored
+    Response, and the model is asked once."""
+    answer = "told from the row"
+    if reads == "one":
+        lab.upstream.script(lab.model, {"text": answer, "first_delay": 1.0, "together": True})
+    else:
+        lab.upstream.script(lab.model, {"text": answer, "delay": 0.2})
     worker = lab.start("committer")
     (response_id,) = lab.create(lab.model, 1)
     lab.held_by([response_id], worker)
@@ -136,7 +147,9 @@ def test_an_end_committed_whose_last_append_was_lost_is_told_from_the_row(lab: L
                     timeout=30,
                     what="the end's statement to wait on the row",
                 )
-            assert not has_output(lab.redis, response_id)  # the answer came; its output waits for the end
+            # the answer came; what its last read brought waits for the end (apart: the frame that
+            # ends it, after its words: the item's end)
+            assert _told(lab, response_id) == {"one": ("", False), "apart": (answer, False)}[reads]
             attempt = int(lab.redis.get(lease_key(response_id)).decode().partition(":")[0])
             # As a next attempt takes a lease that expired: this one's, for a second (then the sweep's).
             lab.redis.set(lease_key(response_id), f"{attempt + 1}:thief", px=1000)
@@ -149,12 +162,16 @@ def test_an_end_committed_whose_last_append_was_lost_is_told_from_the_row(lab: L
     wait_for(lambda: _stream_ended(lab, response_id), timeout=60, what="the stream to end")
     stored = check_ended(lab.sdk, response_id)
     events = [event.model_dump(mode="json") for event in lab.sdk.responses.retrieve(response_id, stream=True)]
-    assert (
-        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        == "told from the row"
-    )
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == answer
     assert output_items(rebuild(events)) == stored["output"]
     assert len(lab.upstream.requests(lab.model)) == 1
+
+
+def _told(lab: Lab, response_id: str) -> tuple[str, bool]:
+    """The text the response's stream has told so far, and whether it told an item done."""
+    told = [fields for _, fields in lab.redis.xrange(events_key(response_id))]
+    deltas = [orjson.loads(f[b"d"])["delta"] for f in told if f[b"t"] == b"response.output_text.delta"]
+    return "".join(deltas), any(f[b"t"] == b"response.output_item.done" for f in told)
 
 
 def _stream_ended(lab: Lab, response_id: str) -> bool:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.schema import validate_event
 from tests.worker.translation import test_chat_stream, test_native
-from worker.translation.output import close_open, output_items, tell_whole
+from worker.translation.output import close_open, output_items, tell_rest, tell_whole
 from worker.translation.replay import rebuild
 
 Events = list[dict[str, Any]]
@@ -152,9 +152,6 @@ def test_finished_items_told_whole_add_up_to_themselves(name: str) -> None:
     """A final Response's output told whole (its end committed, its last append lost: DESIGN.md §4)
     rebuilds into exactly those items, ids kept; the events keep the SDK's order rules and schemas,
     and the SDK's stream accumulator takes them into the same items and text."""
-    from openai import omit
-    from openai.lib.streaming.responses._responses import ResponseStreamState
-
     final = [event["item"] for event in STREAMS[name] if event["type"] == "response.output_item.done"]
     told = tell_whole(final)
     rebuilt = rebuild(told)
@@ -167,6 +164,50 @@ def test_finished_items_told_whole_add_up_to_themselves(name: str) -> None:
             assert (event["item"]["status"], event["item"]["content"]) == ("in_progress", [])
         elif event["item"]["type"] == "function_call":
             assert (event["item"]["status"], event["item"]["arguments"]) == ("in_progress", "")
+    _the_sdk_takes(told, final)
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_a_stream_cut_anywhere_is_told_the_rest_of_its_items(name: str) -> None:
+    """Cut after any event (a turn's last read, kept for the response's end, whose append was lost:
+    DESIGN.md §4), the rest told from the final items goes on where the stream stopped: together
+    they rebuild into exactly those items (each part's deltas adding up to its text, nothing told
+    twice), keep the SDK's order rules and schemas, and the SDK's accumulator takes them so too."""
+    events = STREAMS[name]
+    final = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    for cut in range(len(events) + 1):
+        told = events[:cut]
+        rest = tell_rest(rebuild(told), final)
+        rebuilt = rebuild(told + rest)
+        assert close_open(rebuilt, "incomplete") == [], f"cut at {cut}"
+        assert output_items(rebuilt) == final, f"cut at {cut}"
+        _the_sdk_takes(told + rest, final)
+    assert tell_rest(rebuild(events), final) == []
+
+
+def test_told_text_that_is_not_the_final_texts_start_is_told_done_alone() -> None:
+    """Nothing told can be taken back: a part whose told text is not the start of its final text
+    ends with that text in its `.done` events, no delta added."""
+    events = STREAMS["chat/openai_text"]
+    final = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    first_delta = next(n for n, e in enumerate(events) if e["type"] == "response.output_text.delta")
+    told = [*events[:first_delta], {**events[first_delta], "delta": "Not so"}]
+    rest = tell_rest(rebuild(told), final)
+    assert [e["type"] for e in rest] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert rest[0]["text"] == final[0]["content"][0]["text"]
+    assert rest[-1]["item"] == final[0]
+
+
+def _the_sdk_takes(told: Events, final: Events) -> None:
+    """`told` are valid events (numbered), and the SDK's stream accumulator takes them into `final`'s
+    items and output text."""
+    from openai import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+
     outcome = test_native.Outcome(status="completed", output=final, usage=None, incomplete_details=None)
     state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
     for event in test_native.numbered(told, outcome):
