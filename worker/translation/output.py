@@ -349,10 +349,7 @@ def tell_rest(out: Output, items: list[dict[str, Any]]) -> list[EventBody]:
 def _tell_item(out: Output, body: dict[str, Any]) -> list[EventBody]:
     """A finished item told whole, at the next output index (`tell_whole`)."""
     item_type = str(body["type"])
-    if _has_text_parts(body):
-        item = _new_item(out, _fields_of(body))
-        return [item_event("added", item), *_tell_end(out, item, body)]
-    if item_type == "function_call":
+    if _has_text_parts(body) or item_type == "function_call":  # told as a turn tells them
         item = _new_item(out, _fields_of(body))
         return [item_event("added", item), *_tell_end(out, item, body)]
     item = _new_item(out, {"id": body["id"], "type": item_type})
