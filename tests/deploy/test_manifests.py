@@ -163,7 +163,9 @@ def test_compose_gives_every_respool_process_its_servers() -> None:
         assert environment["RESPOOL_DATABASE_URL"].endswith("@postgres:5432/respool"), name
     for name in ("api", "worker"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    assert "--appendonly" in services["redis"]["command"]
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--save") + 1] == ""  # the AOF alone: no snapshots
     # Room for each API replica's and worker's RESPOOL_DATABASE_CONNECTIONS (20) at --scale worker=N.
     assert "max_connections=400" in services["postgres"]["command"]
 

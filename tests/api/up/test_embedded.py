@@ -147,6 +147,28 @@ def test_start_refuses_a_data_dir_in_use(kind: Kind, data_dir: Path) -> None:
         running.stop()
 
 
+def test_redis_persists_by_its_append_only_file_alone(data_dir: Path) -> None:
+    """Redis keeps the append-only file and writes no snapshot, not even at its stop: a restart
+    finds what was written in the file alone (the default save points fork it every busy minute)."""
+    server = EmbeddedRedis.start(data_dir)
+    with redis.Redis.from_url(server.url, decode_responses=True) as client:
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        for index in range(200):  # past the default save points' 100 writes in 300 s
+            client.set(f"key:{index}", index)
+    _redis_write(server.url)
+    server.stop()
+    redis_dir = data_dir / "redis"
+    assert not list(redis_dir.rglob("*.rdb")), list(redis_dir.iterdir())
+    assert any(path.name.startswith("appendonly.aof") for path in redis_dir.rglob("*"))
+
+    again = EmbeddedRedis.start(data_dir)
+    try:
+        assert _redis_read(again.url) == MARKER
+    finally:
+        again.stop()
+
+
 def test_redis_keeps_its_url_across_restarts(data_dir: Path) -> None:
     """Respool's processes reach Redis on a unix socket in its data dir, and tools on 127.0.0.1:
     both come back the same, so a URL noted down earlier still works."""
