@@ -59,6 +59,7 @@ SCENARIOS = {
     "bg1": ("bg", 1, 10, 8, 250),  # ten background responses, one at a time (for --strace)
     "bg1x": ("bg", 1, 200, 8, 20),  # background responses one at a time (a lone one's cost)
     "idle": ("idle", 0, 5, 0, 0),  # five seconds of nothing: a unit a second
+    "idle30": ("idle", 0, 30, 0, 0),  # thirty: a process's CPU past /proc's 10 ms resolution
     # foreground short requests at a background response's rate in "bg" (each client waits 250 ms
     # after each, as a background one's client waits for its poll): what a response costs at that rate
     "short250": ("paced", 16, 400, 8, 250),

@@ -64,6 +64,7 @@ async def run_response(rt: Runtime, response_id: str, started: Started | None = 
         return RunEnd.BUSY
     lease, last, ticket, announced = acquired
     rt.running[response_id] = asyncio.current_task()  # type: ignore[assignment]
+    rt.started.set()
     rt.held[response_id] = lease
     end: RunEnd | None = None
     try:

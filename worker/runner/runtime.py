@@ -69,6 +69,9 @@ class Runtime:
     log: EventLog = field(init=False)
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    # Set as each response starts to run (`attempt.run_response`): what is done only while responses
+    # run waits on it while none does (`until_running`).
+    started: asyncio.Event = field(default_factory=asyncio.Event)
     held: dict[str, Lease] = field(default_factory=dict)
     generating: set[str] = field(default_factory=set)  # between the upstream call's start and end
     cancelling: set[str] = field(default_factory=set)
@@ -86,6 +89,12 @@ class Runtime:
         if self._sealer is None:
             self._sealer = await compaction_sealer(self.engine, self.compaction_keys)
         return self._sealer
+
+    async def until_running(self) -> None:
+        """Return at once while a response runs, else once one starts."""
+        if not self.running:
+            self.started.clear()
+            await self.started.wait()
 
     def request_cancel(self, response_id: str) -> None:
         """Interrupt the response's upstream call (the cancel watcher saw its flag).
