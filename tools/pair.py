@@ -296,7 +296,9 @@ async def main_async(args: argparse.Namespace) -> None:
                     units, summary = await scenario(build, name)
                     after = read_all(build, servers[build.name], clients[build.name])
                     for spy in spies:
-                        spy.send_signal(signal.SIGINT if not args.strace else signal.SIGTERM)
+                        spy.send_signal(
+                            signal.SIGINT if not (args.strace or args.strace_count) else signal.SIGTERM
+                        )
                         spy.wait()
                     row = {key: after[key] - before.get(key, 0.0) for key in after}
                     row["units"] = units
@@ -385,8 +387,12 @@ def _spy(args: argparse.Namespace, build: Build, name: str) -> list[subprocess.P
     if not args.spy:
         return []
     Path(args.spy).mkdir(parents=True, exist_ok=True)
-    if args.strace:
-        calls = "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev"
+    if args.strace_count:  # every system call, counted (a summary at the end)
+        tool, suffix = ["strace", "-f", "-c", "-o"], "count"
+    elif args.strace:
+        calls = os.environ.get(
+            "PAIR_STRACE_CALLS", "trace=%network,read,write,epoll_wait,epoll_pwait,poll,writev"
+        )
         tool, suffix = ["strace", "-f", "-tt", "-e", calls, "-s", "64", "-o"], "strace"
     elif args.perf:
         freq = str(args.freq or (149 if args.dwarf else 499))
@@ -465,6 +471,9 @@ def main() -> None:
     )
     parser.add_argument("--freq", type=int, help="with --perf: samples a second (149 with --dwarf, else 499)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
+    parser.add_argument(
+        "--strace-count", action="store_true", help="with --spy: count A's API's and worker's system calls"
+    )
     parser.add_argument("--commands", action="store_true", help="Redis commands per unit, by command")
     parser.add_argument(
         "--python-b",

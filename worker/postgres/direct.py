@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import re
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -102,12 +102,21 @@ class DirectPool:
         if usable and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             self._idle.append(conn)
         else:
-            await conn.close()
+            await _close(conn)
 
     async def _drop_idle(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
-            await conn.close()
+            await _close(conn)
+
+
+async def _close(conn: Connection) -> None:
+    """Close `conn`, its socket unwatched first (`_Libpq.unwatch`): a socket number the kernel
+    hands out again must not find this one's watch."""
+    state = _states.pop(conn.pgconn, None)
+    if state is not None:
+        state.unwatch()
+    await conn.close()
 
 
 def shares(connections: int) -> tuple[int, int]:
@@ -150,9 +159,60 @@ class Statement:
         self.parameters = tuple(names)
 
 
-# Which statements each connection has prepared (a connection's libpq object: psycopg's own
-# prepared statements are named `_pg3_<n>`, never these).
-_prepared: weakref.WeakKeyDictionary[pq.abc.PGconn, set[bytes]] = weakref.WeakKeyDictionary()
+class _Libpq:
+    """What `run` keeps of one connection: the statements it has prepared (psycopg's own are named
+    `_pg3_<n>`, never these), and its socket's watch.
+
+    The socket stays watched by the event loop between statements, one callback for its life, not
+    added before each reply and removed after: uvloop makes a poll handle for each `add_reader` of
+    a socket it does not watch and closes it at its `remove_reader`, nine system calls a statement
+    (epoll_ctl five times, one failing, an ioctl, an io_uring_enter), each dear on a virtual
+    machine. Input nobody waits for (the server closing the connection, a notice) is read into
+    libpq's buffer, as the loop's poll is level-triggered; a connection it breaks is unwatched.
+    psycopg's own waits on the same socket (a statement through its cursor) replace the callback
+    and remove it at their end: `wait` adds it again (free while it is there)."""
+
+    __slots__ = ("fd", "loop", "pgconn", "prepared", "waiter")
+
+    def __init__(self, pgconn: pq.abc.PGconn) -> None:
+        self.pgconn = pgconn
+        self.prepared: set[bytes] = set()
+        self.fd = -1
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        """Until the socket is readable."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:  # its first wait (or one on another loop: the old watch goes)
+            self.unwatch()
+            self.fd, self.loop = self.pgconn.socket, loop
+        waiter = self.waiter = loop.create_future()
+        loop.add_reader(self.fd, self._readable)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def _readable(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+            return
+        try:  # nobody waits: read it, or a level-triggered poll calls again at once
+            self.pgconn.consume_input()
+        except psycopg.OperationalError:  # the server closed it: the next statement finds it broken
+            self.unwatch()
+
+    def unwatch(self) -> None:
+        loop, self.loop = self.loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.fd)
+
+
+_states: weakref.WeakKeyDictionary[pq.abc.PGconn, _Libpq] = weakref.WeakKeyDictionary()
 
 
 async def run(conn: Connection, statement: Statement, parameters: Mapping[str, Any]) -> pq.abc.PGresult:
@@ -160,15 +220,15 @@ async def run(conn: Connection, statement: Statement, parameters: Mapping[str, A
     its result. A failed statement raises as psycopg raises it (`psycopg.errors`), a connection
     that broke `psycopg.OperationalError` (the connection then `broken`)."""
     pgconn = conn.pgconn
-    prepared = _prepared.get(pgconn)
-    if prepared is None:
-        prepared = _prepared[pgconn] = set()
-    if statement.name not in prepared:
+    state = _states.get(pgconn)
+    if state is None:
+        state = _states[pgconn] = _Libpq(pgconn)
+    if statement.name not in state.prepared:
         pgconn.send_prepare(statement.name, statement.sql)
-        await _result(pgconn)
-        prepared.add(statement.name)
+        await _result(state)
+        state.prepared.add(statement.name)
     pgconn.send_query_prepared(statement.name, [_text(parameters[name]) for name in statement.parameters])
-    return await _result(pgconn)
+    return await _result(state)
 
 
 def _text(value: Any) -> bytes | None:
@@ -186,16 +246,17 @@ def _text(value: Any) -> bytes | None:
     raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
 
 
-async def _result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
+async def _result(state: _Libpq) -> pq.abc.PGresult:
     """The result of the statement just sent (its rest flushed first), once all of it has come."""
-    loop = asyncio.get_running_loop()
-    fd = pgconn.socket
-    while pgconn.flush():  # non-blocking: what the socket did not take waits for it to drain
-        await _ready(fd, loop.add_writer, loop.remove_writer)
+    pgconn = state.pgconn
+    if pgconn.flush():  # non-blocking: what the socket did not take waits for it to drain
+        loop = asyncio.get_running_loop()
+        while pgconn.flush():
+            await _writable(pgconn.socket, loop)
     result = None
     while True:
         while pgconn.is_busy():
-            await _ready(fd, loop.add_reader, loop.remove_reader)
+            await state.wait()
             pgconn.consume_input()
         got = pgconn.get_result()
         if got is None:
@@ -208,13 +269,13 @@ async def _result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult:
     return result
 
 
-async def _ready(fd: int, add: Callable[..., None], remove: Callable[[int], bool]) -> None:
-    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    add(fd, _wake, waiter)
+async def _writable(fd: int, loop: asyncio.AbstractEventLoop) -> None:
+    waiter: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(fd, _wake, waiter)
     try:
         await waiter
     finally:
-        remove(fd)
+        loop.remove_writer(fd)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -9,10 +9,12 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any
 
 import psycopg
 import pytest
+import uvloop
 
 from tests.support.stack import Servers, fresh_database
 from worker.outages import is_postgres_outage
@@ -309,3 +311,100 @@ async def test_a_failed_hot_statement_raises_as_psycopg_does_and_its_connection_
         view = await store.get_view(conn, response_id, "direct")
         assert view is not None and view.status == Status.QUEUED
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+class _Watching:
+    """An event loop that tells which sockets have a reader, and how often one was removed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watched: set[int] = set()
+        self.removals = 0
+
+    def add_reader(self, fd: int, callback: Callable[..., object], *args: Any) -> None:
+        super().add_reader(fd, callback, *args)  # type: ignore[misc]
+        self.watched.add(fd)
+
+    def remove_reader(self, fd: int) -> bool:
+        self.removals += 1
+        self.watched.discard(fd)
+        return bool(super().remove_reader(fd))  # type: ignore[misc]
+
+
+class _WatchingUvloop(_Watching, uvloop.Loop):
+    pass
+
+
+class _WatchingAsyncio(_Watching, asyncio.SelectorEventLoop):
+    pass
+
+
+def _on(loop_kind: str, check: Callable[[_Watching], Coroutine[Any, Any, None]]) -> None:
+    """`check` run on a fresh event loop of that kind: uvloop's, as the API and the worker run, or
+    asyncio's own."""
+    loop = _WatchingUvloop() if loop_kind == "uvloop" else _WatchingAsyncio()
+    try:
+        loop.run_until_complete(check(loop))
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_a_connections_socket_stays_watched_between_hot_statements(database: str, loop_kind: str) -> None:
+    """One watch of its socket for a connection's life, not one added and removed around each
+    reply (on uvloop nine system calls a statement); psycopg's own wait on the same socket in
+    between takes it away, and the next hot statement watches it again; a closed connection is
+    no longer watched (the kernel hands its socket's number out again)."""
+
+    async def check(loop: _Watching) -> None:
+        pool = DirectPool(database, 1)
+        try:
+            async with pool.connection() as conn:
+                fd = conn.pgconn.socket
+                assert await store.get_view(conn, "resp_unknown", "direct") is None
+                removals = loop.removals
+                for _ in range(3):
+                    assert await store.get_view(conn, "resp_unknown", "direct") is None
+                assert loop.removals == removals and fd in loop.watched
+                await conn.execute("SELECT 1")  # psycopg's own wait: adds its reader, removes it
+                assert fd not in loop.watched
+                assert await store.get_view(conn, "resp_unknown", "direct") is None
+            assert fd in loop.watched  # watched while it waits in the pool
+        finally:
+            await pool.close()
+        assert fd not in loop.watched
+
+    _on(loop_kind, check)
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_a_watched_idle_connection_whose_server_goes_is_unwatched(database: str, loop_kind: str) -> None:
+    """The server closing an idle connection makes its socket readable with nobody waiting: what
+    came is read (a level-triggered poll would call again at once, for ever) and, the connection
+    broken, its watch goes; the next statement on it is an outage, and the one after succeeds."""
+
+    async def check(loop: _Watching) -> None:
+        pool = DirectPool(database, 1)
+        try:
+            async with pool.connection() as conn:
+                assert await store.get_view(conn, "resp_unknown", "direct") is None
+                fd, pid = conn.pgconn.socket, conn.info.backend_pid
+            assert fd in loop.watched
+            await _terminate(database, pid)
+            deadline = time.monotonic() + 5
+            # the watch reads the server's goodbye (libpq tells it by the connection's status alone)
+            while conn.pgconn.status == psycopg.pq.ConnStatus.OK and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            assert conn.pgconn.status == psycopg.pq.ConnStatus.BAD
+            assert fd not in loop.watched
+            with pytest.raises(psycopg.OperationalError) as raised:
+                async with pool.connection() as same:
+                    await store.get_view(same, "resp_unknown", "direct")
+            assert is_postgres_outage(raised.value)
+            async with pool.connection() as fresh:
+                assert fresh.info.backend_pid != pid
+                assert await store.get_view(fresh, "resp_unknown", "direct") is None
+        finally:
+            await pool.close()
+
+    _on(loop_kind, check)
