@@ -45,6 +45,8 @@ SCENARIOS = {
     "s30": ("streams", 30, 30, 150, 20),
     "s100": ("streams", 100, 100, 150, 20),
     "short": ("short", 16, 400, 8, 0),
+    "short1t": ("short", 16, 400, 1, 0),  # "short" with one token (what a chunk costs, against "short")
+    "bg1t": ("bg", 16, 400, 1, 0),  # "bg" with one token
     "short2k": ("short", 16, 2000, 8, 0),  # for --spy: enough samples of a response's path
     "s30long": ("streams", 30, 150, 150, 20),  # for --spy: s30 five times over
     "s30x600": ("streams", 30, 30, 600, 20),  # s30's streams four times as long: a response's share apart
