@@ -165,9 +165,9 @@ class _Libpq:
 
     The socket stays watched by the event loop between statements, one callback for its life, not
     added before each reply and removed after: uvloop makes a poll handle for each `add_reader` of
-    a socket it does not watch and closes it at its `remove_reader`, nine system calls a statement
-    (epoll_ctl five times, one failing, an ioctl, an io_uring_enter), each dear on a virtual
-    machine. Input nobody waits for (the server closing the connection, a notice) is read into
+    a socket it does not watch and closes it at its `remove_reader`, eight system calls a statement
+    (epoll_ctl six times, three of them failing, an ioctl, an io_uring_enter; counted with strace),
+    each dear on a virtual machine. Input nobody waits for (the server closing the connection, a notice) is read into
     libpq's buffer, as the loop's poll is level-triggered; a connection it breaks is unwatched.
     psycopg's own waits on the same socket (a statement through its cursor) replace the callback
     and remove it at their end: `wait` adds it again (free while it is there)."""
@@ -249,10 +249,8 @@ def _text(value: Any) -> bytes | None:
 async def _result(state: _Libpq) -> pq.abc.PGresult:
     """The result of the statement just sent (its rest flushed first), once all of it has come."""
     pgconn = state.pgconn
-    if pgconn.flush():  # non-blocking: what the socket did not take waits for it to drain
-        loop = asyncio.get_running_loop()
-        while pgconn.flush():
-            await _writable(pgconn.socket, loop)
+    while pgconn.flush():  # non-blocking: what the socket did not take waits for it to drain
+        await _writable(pgconn.socket)
     result = None
     while True:
         while pgconn.is_busy():
@@ -269,7 +267,8 @@ async def _result(state: _Libpq) -> pq.abc.PGresult:
     return result
 
 
-async def _writable(fd: int, loop: asyncio.AbstractEventLoop) -> None:
+async def _writable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
     waiter: asyncio.Future[None] = loop.create_future()
     loop.add_writer(fd, _wake, waiter)
     try:

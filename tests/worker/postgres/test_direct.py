@@ -352,7 +352,7 @@ def _on(loop_kind: str, check: Callable[[_Watching], Coroutine[Any, Any, None]])
 @pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
 def test_a_connections_socket_stays_watched_between_hot_statements(database: str, loop_kind: str) -> None:
     """One watch of its socket for a connection's life, not one added and removed around each
-    reply (on uvloop nine system calls a statement); psycopg's own wait on the same socket in
+    reply (on uvloop eight system calls a statement); psycopg's own wait on the same socket in
     between takes it away, and the next hot statement watches it again; a closed connection is
     no longer watched (the kernel hands its socket's number out again)."""
 
