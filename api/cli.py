@@ -188,7 +188,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     workers = tuple(int(count) for count in args.workers.split(","))
     plan = dataclasses.replace(plan, worker_counts=workers)
     litellm = None if args.no_litellm else (args.litellm or "")
-    run(plan, Path(args.out), litellm, servers_from(settings))
+    run(plan, Path(args.out), litellm, servers_from(settings), settings.redis_server)
     out = Path(args.out)
     print(f"\nWritten: {out / 'result.json'}, {out / 'latency.png'}, {out / 'cpu.png'}")
     return 0
@@ -237,7 +237,7 @@ def up(settings: Settings) -> int:
     try:
         supervisor = Supervisor()
         if not settings.redis_url:
-            started.append(EmbeddedRedis.start(settings.data_dir))
+            started.append(EmbeddedRedis.start(settings.data_dir, settings.redis_server))
             settings.redis_url = started[-1].url
             supervisor.watch("the embedded Redis", started[-1].process)
         if not settings.database_url:

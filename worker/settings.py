@@ -18,6 +18,8 @@ class Settings(BaseSettings):
     redis_url: str = ""
     database_url: str = ""
     data_dir: Path = Path(".respool")
+    # The embedded Redis's binary (`respool up`): auto, bundled, or a path (api/up/embedded.py).
+    redis_server: str = "auto"
     config: Path | None = None
 
     # The single-upstream case: every model name goes to this server.

@@ -74,7 +74,11 @@ class Respool:
 
 
 def run(
-    plan: Plan, out_dir: Path, litellm_path: str | None, servers: tuple[str, str] | None
+    plan: Plan,
+    out_dir: Path,
+    litellm_path: str | None,
+    servers: tuple[str, str] | None,
+    redis_server: str = "auto",
 ) -> dict[str, Any]:
     """Run every scenario; write `result.json`, `latency.png` and `cpu.png` into `out_dir`; return the result."""
     # The load generator's own client must not log a line a request (httpx does at INFO): that
@@ -85,7 +89,10 @@ def run(
     log_dir = out_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     children = Children(log_dir)
-    with _servers(servers) as (redis_url, database_url, server_pids), _stopping(children):
+    with (
+        _servers(servers, redis_server) as (redis_url, database_url, server_pids, redis),
+        _stopping(children),
+    ):
         upstream_env = {**os.environ}
         _, upstream_url = start_upstream(children, upstream_env)
         respool = _start_respool(children, redis_url, database_url, upstream_url, log_dir)
@@ -97,7 +104,7 @@ def run(
         finally:
             if isinstance(litellm, litellm_.LiteLLM):
                 litellm.stop()
-    result["machine"] = _machine(litellm)
+    result["machine"] = {**_machine(litellm), "redis": redis}
     result["plan"] = dataclasses.asdict(plan)
     from api.bench import report  # matplotlib is imported only to draw
 
@@ -114,20 +121,22 @@ def _stopping(children: Children) -> Iterator[None]:
 
 
 @contextmanager
-def _servers(given: tuple[str, str] | None) -> Iterator[tuple[str, str, list[int]]]:
-    """Redis and Postgres: the ones given, else embedded ones in a temporary dir (as `respool up`);
-    with the pids of those it started (their CPU is respool's)."""
+def _servers(given: tuple[str, str] | None, redis_server: str) -> Iterator[tuple[str, str, list[int], str]]:
+    """Redis and Postgres: the ones given, else embedded ones in a temporary dir (as `respool up`,
+    its Redis `redis_server`'s choice); with the pids of those it started (their CPU is respool's)
+    and which Redis that is."""
     if given is not None:
-        yield (*given, [])
+        yield (*given, [], "given (RESPOOL_REDIS_URL)")
         return
     from api.up.embedded import EmbeddedPostgres, EmbeddedRedis
 
     data_dir = Path(tempfile.mkdtemp(prefix="respool-bench-"))
-    redis = EmbeddedRedis.start(data_dir)
+    redis = EmbeddedRedis.start(data_dir, redis_server)
     try:
         postgres = EmbeddedPostgres.start(data_dir)
         try:
-            yield redis.url, postgres.url, [redis.process.pid, postgres.process.pid]
+            pids = [redis.process.pid, postgres.process.pid]
+            yield redis.url, postgres.url, pids, f"{redis.server.version_text} ({redis.server.path})"
         finally:
             postgres.stop()
     finally:

