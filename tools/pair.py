@@ -209,7 +209,7 @@ async def main_async(args: argparse.Namespace) -> None:
     log_dir = data_dir / "logs"
     log_dir.mkdir()
     children = Children(log_dir)
-    rds = EmbeddedRedis.start(data_dir)
+    rds = EmbeddedRedis.start(data_dir, args.redis)
     pg = EmbeddedPostgres.start(data_dir)
     own_redis = {"A": rds, "B": rds}
     try:
@@ -224,11 +224,11 @@ async def main_async(args: argparse.Namespace) -> None:
             ) as connection:
                 connection.execute("ALTER SYSTEM SET log_statement = 'all'")
                 connection.execute("SELECT pg_reload_conf()")
-        if args.redis_env:  # B's own Redis, started with these in its environment
+        if args.redis_env or args.redis_b:  # B's own Redis (`--redis-b`), with these in its environment
             saved = dict(os.environ)
             os.environ.update(item.partition("=")[::2] for item in args.redis_env)
             try:
-                own_redis["B"] = EmbeddedRedis.start(data_dir / "b")
+                own_redis["B"] = EmbeddedRedis.start(data_dir / "b", args.redis_b or args.redis)
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
@@ -471,6 +471,10 @@ def main() -> None:
         default=[],
         help="NAME=value: B gets a Redis of its own, started with this in its environment",
     )
+    parser.add_argument(
+        "--redis", default="auto", help="the shared Redis: auto, bundled or a path (RESPOOL_REDIS_SERVER)"
+    )
+    parser.add_argument("--redis-b", help="B gets a Redis of its own: auto, bundled or a path")
     parser.add_argument("--freq", type=int, help="with --perf: samples a second (149 with --dwarf, else 499)")
     parser.add_argument("--strace", action="store_true", help="with --spy: strace A's API and worker")
     parser.add_argument(
