@@ -138,6 +138,9 @@ def print_table(result: dict[str, Any]) -> None:
             row, *(_cell(values.get(name)) for name in systems), "" if target is None else f"{target:g}"
         )
     console = Console()
+    needed = console.measure(table, options=console.options.update_width(1000)).maximum
+    if needed > console.width:  # never a figure cut to "19…": a pipe or a log is 80 columns wide
+        console = Console(width=needed)
     console.print(table)
     for name, why in result.get("skipped", {}).items():
         console.print(f"{name}: skipped: {why}")

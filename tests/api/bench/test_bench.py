@@ -184,3 +184,32 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
     assert (out / "latency.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "cpu.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "table.md").read_text().startswith("| | direct |")
+
+
+def test_the_printed_table_keeps_every_figure_whole_however_narrow_the_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Printed into a pipe or a log (80 columns: no terminal to ask), the table is as wide as its
+    figures need: rich cut them to fit ("19…" for 198.1, "1…" for 110.1)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    systems = ["direct", "litellm", "respool (1 worker)", "respool (2 workers)"]
+    result = {
+        "systems": {name: {} for name in systems},
+        "rows": {
+            "CPU µs per token @30": {
+                "direct": None,
+                "litellm": 1320.5,
+                "respool (1 worker)": 198.1,
+                "respool (2 workers)": 164.0,
+            },
+            "CPU ms per short request, at the background rate": {
+                "respool (1 worker)": 4.1,
+                "respool (2 workers)": 3.8,
+            },
+        },
+    }
+    report.print_table(result)
+    printed = capsys.readouterr().out
+    for figure in ("1320.5", "198.1", "164.0", "4.1", "3.8", "170", "respool (1 worker)"):
+        assert figure in printed, (figure, printed)
+    assert "…" not in printed, printed
