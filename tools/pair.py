@@ -307,6 +307,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     row["polls"] = float(summary.get("polls") or 0)
                     if name == "ttft" and direct_ttft is not None:
                         row["added_ttft_ms"] = summary["ttft_ms"]["p50"] - direct_ttft
+                        row["ttft_p99_ms"] = summary["ttft_ms"]["p99"]
                     if SCENARIOS[name][0] == "streams":
                         row["gap_p99_ms"] = summary["gap_ms"]["p99"] or 0.0
                     if summary.get("first_error"):
@@ -437,6 +438,8 @@ def _line(name: str, row: dict[str, float]) -> str:
         parts.append(f"gap99 {row['gap_p99_ms']:.1f}")
     if "added_ttft_ms" in row:
         parts.append(f"+ttft {row['added_ttft_ms']:.2f}")
+    if "ttft_p99_ms" in row:
+        parts.append(f"ttft99 {row['ttft_p99_ms']:.1f}")
     return "  ".join(parts)
 
 
