@@ -167,8 +167,9 @@ class _Libpq:
     added before each reply and removed after: uvloop makes a poll handle for each `add_reader` of
     a socket it does not watch and closes it at its `remove_reader`, eight system calls a statement
     (epoll_ctl six times, three of them failing, an ioctl, an io_uring_enter; counted with strace),
-    each dear on a virtual machine. Input nobody waits for (the server closing the connection, a notice) is read into
-    libpq's buffer, as the loop's poll is level-triggered; a connection it breaks is unwatched.
+    each dear on a virtual machine. Input nobody waits for (the server closing the connection, a
+    notice) is read into libpq's buffer, as the loop's poll is level-triggered; a connection it
+    breaks is unwatched.
     psycopg's own waits on the same socket (a statement through its cursor) replace the callback
     and remove it at their end: `wait` adds it again (free while it is there)."""
 

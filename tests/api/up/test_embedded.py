@@ -320,9 +320,8 @@ def test_auto_prefers_a_redis_server_on_path(data_dir: Path, monkeypatch: pytest
     server = EmbeddedRedis.start(data_dir / "data")
     try:
         assert Path(os.readlink(f"/proc/{server.process.pid}/exe")) == _bundled().resolve()
-        title = psutil.Process(server.process.pid).cmdline()[
-            0
-        ]  # Redis's title: the name it ran by, its address
+        # Redis's process title: the name it was run by, then its address.
+        title = psutil.Process(server.process.pid).cmdline()[0]
         assert title.split()[0] == str(link_dir / "redis-server")
         _redis_write(server.url)
     finally:
