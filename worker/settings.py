@@ -115,6 +115,11 @@ class Settings(BaseSettings):
     # this adds no wait to a lone stream. 20: at 30 streams of tokens 20 ms apart, 17% less CPU a
     # token than 10, with the added gap p99 unchanged (issue 20; README, CPU cost).
     batch_ms: float = Field(default=20.0, ge=0, le=100)
+    # A background response nobody follows live (no `stream`: its client polls) may end up to
+    # `gather_ends_ms` after it finished, with the others that finish meanwhile: their ends go to
+    # Postgres as one statement with one commit, their last appends to Redis in one round trip
+    # (worker/runner/ends.py). 0: each end alone, at once.
+    gather_ends_ms: float = Field(default=30.0, ge=0, le=1000)
 
     # Tools (DESIGN.md §10): a server-side tool type this deployment has no backend for (e.g. Codex
     # CLI's `web_search` with no search backend) is left out of what the model is offered and named

@@ -170,12 +170,23 @@ SET status = %(new_status)s, response = %(new_response)s, error = %(new_error)s,
 WHERE {_FENCED}
 """
 _DELETE_FINISHED = f"DELETE FROM response WHERE {_FENCED}"
+# Several ends in one statement (`ends.GatheredEnds`): each row fenced as `_MARK_FINISHED` fences
+# it, the rows that were ended returned; one round trip and one commit for all of them.
+_MARK_ALL_FINISHED = f"""
+UPDATE response
+SET status = ended.status, response = ended.response, error = ended.error, completed_at = now(),
+    attempt = ended.attempt
+FROM jsonb_to_recordset(%(ended)s) AS ended (id text, attempt integer, status text, response jsonb, error jsonb)
+WHERE response.id = ended.id AND response.attempt <= ended.attempt AND response.status IN ({LIVE_STATUSES})
+RETURNING response.id
+"""
 _EXISTS = "SELECT EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)"
 # The same, for a direct connection (on libpq itself, `direct.run`).
 _INSERTED = direct.Statement("insert", _INSERT)
 _VIEWED = direct.Statement("view", _SELECT_VIEW)
 _FINISHED = direct.Statement("finish", _MARK_FINISHED)
 _DELETED = direct.Statement("delete_finished", _DELETE_FINISHED)
+_ALL_FINISHED = direct.Statement("finish_all", _MARK_ALL_FINISHED)
 
 
 async def driver(conn: Connection) -> direct.Connection:
@@ -329,6 +340,24 @@ async def mark_finished(conn: Connection, response_id: str, attempt: int, respon
         cursor = await (await driver(conn)).execute(_MARK_FINISHED, parameters)
         return cursor.rowcount == 1
     return (await direct.run(conn, _FINISHED, parameters)).command_tuples == 1
+
+
+async def mark_all_finished(conn: direct.Connection, ends: list[tuple[str, int, dict[str, Any]]]) -> set[str]:
+    """Record several final Responses (`(id, attempt, response)` each) in one statement, each fenced
+    on its attempt as `mark_finished` fences it; the ids of those recorded (another outcome won the
+    rest). `conn` is a direct connection in autocommit: one commit for all of them."""
+    ended = [
+        {
+            "id": rid,
+            "attempt": attempt,
+            "status": str(response["status"]),
+            "response": response,
+            "error": response.get("error"),
+        }
+        for rid, attempt, response in ends
+    ]
+    result = await direct.run(conn, _ALL_FINISHED, {"ended": Jsonb(ended)})
+    return {bytes(result.get_value(row, 0) or b"").decode() for row in range(result.ntuples)}
 
 
 async def response_exists(conn: Connection, response_id: str) -> bool:

@@ -593,6 +593,8 @@ async def _record_final(
     (DESIGN.md §11), when it completed or ended incomplete: exactly once, whatever died on the way."""
     notifies = rt.notifier.wanted(stored.owner, final["status"], background=stored.background)
     if stored.conversation_id is None and not notifies:
+        if rt.ends is not None and stored.background and not stored.stream and stored.store:
+            return await rt.ends.finish(stored.id, attempt, final)
         async with rt.direct.connection() as conn:
             if stored.store:
                 return await store.mark_finished(conn, stored.id, attempt, final)

@@ -12,6 +12,7 @@ _FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 _RESPONSE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
+_GATHERED_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 _WEBHOOK_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400)
 
 
@@ -42,6 +43,12 @@ class WorkerMetrics:
             "respool_responses_finished",
             "Responses this worker ended, by status.",
             ["status"],
+            registry=registry,
+        )
+        self.gathered_ends = Histogram(
+            "respool_gathered_ends",
+            "How many background responses' ends each gathered statement recorded (RESPOOL_GATHER_ENDS_MS).",
+            buckets=_GATHERED_BUCKETS,
             registry=registry,
         )
         self.upstream_errors = Counter(

@@ -25,6 +25,7 @@ from worker.postgres.keys import compaction_sealer
 from worker.protocol.compaction import Sealer
 from worker.queue import ResponseQueue, delivery_queue
 from worker.routing import Routes, load_routes
+from worker.runner.ends import GatheredEnds
 from worker.runner.metrics import WorkerMetrics
 from worker.runner.search import DEFAULT_URLS, Searcher
 from worker.runner.upstream import RetryPolicy, create_client
@@ -66,7 +67,9 @@ class Runtime:
     compact_threshold_tokens: int = 24000  # `context_management`'s when it gives none and none is known
     compact_summary_tokens: int = 2048  # the longest summary a compaction asks for
     batch_seconds: float = 0.0  # RESPOOL_BATCH_MS (EventLog)
+    gather_ends_seconds: float = 0.0  # RESPOOL_GATHER_ENDS_MS (GatheredEnds; 0: each end alone)
     log: EventLog = field(init=False)
+    ends: GatheredEnds | None = field(init=False)  # unfollowed background responses' ends
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
     running: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     # Set as each response starts to run (`attempt.run_response`): what is done only while responses
@@ -82,6 +85,11 @@ class Runtime:
     def __post_init__(self) -> None:
         self.log = EventLog(self.redis, on_append=self.metrics.events.inc, batch_seconds=self.batch_seconds)
         self.autocommit = store.single_statements(self.engine)
+        self.ends = (
+            GatheredEnds(self.direct, self.gather_ends_seconds, self.metrics.gathered_ends.observe)
+            if self.gather_ends_seconds > 0
+            else None
+        )
         self.metrics.in_flight.set_function(lambda: len(self.running))
 
     async def sealer(self) -> Sealer:
@@ -145,6 +153,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         compact_threshold_tokens=settings.compact_threshold_tokens,
         compact_summary_tokens=settings.compact_summary_tokens,
         batch_seconds=settings.batch_ms / 1000,
+        gather_ends_seconds=settings.gather_ends_ms / 1000,
     )
 
 
@@ -171,6 +180,8 @@ def searcher_of(settings: Settings, routes: Routes) -> Searcher | None:
 async def close_runtime(rt: Runtime) -> None:
     await rt.http.aclose()
     await rt.engine.dispose()
+    if rt.ends is not None:
+        await rt.ends.close()
     await rt.direct.close()
     await rt.queue.close()
     await rt.redis.aclose(close_connection_pool=True)  # connect() hands the client a pool of its own

@@ -1,0 +1,152 @@
+"""Gathered ends (worker/runner/ends.py) on real Postgres: the ends that meet in a window are
+recorded in one statement (one transaction: their rows share its id), each fenced on its own
+attempt with its own outcome; an end whose task is cancelled in the window is left out; an outage
+reaches every end of the batch; a closing worker records what waits."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.stack import Servers, free_port, fresh_database
+from worker.outages import is_postgres_outage
+from worker.postgres import store
+from worker.postgres.direct import DirectPool
+from worker.runner.ends import GatheredEnds
+
+pytestmark = pytest.mark.integration
+
+_ROW: dict[str, Any] = {
+    "owner": "ends",
+    "status": "queued",
+    "model": "m",
+    "background": True,
+    "store": True,
+    "stream": False,
+    "request": {"model": "m"},
+    "previous_response_id": None,
+    "conversation": [{"id": "msg_1", "type": "message", "role": "user", "content": "hi"}],
+    "chain_depth": 0,
+    "conversation_id": None,
+}
+
+
+@pytest.fixture(scope="module")
+def database(backing: Servers) -> Iterator[str]:
+    with fresh_database(backing.database_url) as url:
+        yield url
+
+
+@pytest.fixture
+async def pool(database: str) -> AsyncIterator[DirectPool]:
+    pool = DirectPool(database, 2, wait_seconds=2)
+    yield pool
+    await pool.close()
+
+
+async def _rows(pool: DirectPool, status: str = "queued", count: int = 1) -> list[str]:
+    ids = [f"resp_ends_{uuid.uuid4().hex}" for _ in range(count)]
+    async with pool.connection() as conn:
+        for response_id in ids:
+            row = {
+                **_ROW,
+                "id": response_id,
+                "status": status,
+                "response": {"id": response_id, "status": status},
+            }
+            await store.insert_response(conn, row, len(row["conversation"]))
+    return ids
+
+
+async def _read(pool: DirectPool, response_id: str) -> tuple[str, int, Any, Any, str]:
+    """Its status, attempt, Response, error and the transaction that last wrote it (`xmin`)."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT status, attempt, response, error, xmin::text FROM response WHERE id = %s", (response_id,)
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return row
+
+
+def _final(response_id: str, status: str = "completed") -> dict[str, Any]:
+    final: dict[str, Any] = {"id": response_id, "status": status, "output": [{"type": "message", "n": 1.5}]}
+    if status == "failed":
+        final["error"] = {"code": "server_error", "message": "é ☃"}
+    return final
+
+
+async def test_ends_that_meet_in_a_window_are_one_transaction_each_fenced_on_its_own(
+    pool: DirectPool,
+) -> None:
+    completed, failed, cancelled, taken_over = await _rows(pool, count=4)
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE response SET status = 'cancelled' WHERE id = %s", (cancelled,))
+        assert await store.start_attempt(conn, taken_over, 2) is not None
+    ends = GatheredEnds(pool, window_seconds=0.2)
+    outcomes = await asyncio.gather(
+        ends.finish(completed, 1, _final(completed)),
+        ends.finish(failed, 1, _final(failed, "failed")),
+        ends.finish(cancelled, 1, _final(cancelled)),
+        ends.finish(taken_over, 1, _final(taken_over)),
+    )
+    assert outcomes == [True, True, False, False]
+    first, second = await _read(pool, completed), await _read(pool, failed)
+    assert first[:4] == ("completed", 1, _final(completed), None)
+    assert second[:4] == ("failed", 1, _final(failed, "failed"), {"code": "server_error", "message": "é ☃"})
+    assert first[4] == second[4]  # one statement, one commit
+    assert (await _read(pool, cancelled))[:2] == ("cancelled", 0)  # another outcome's: untouched
+    assert (await _read(pool, taken_over))[:2] == ("in_progress", 2)
+    assert (await _read(pool, taken_over))[4] != first[4]
+
+
+async def test_an_end_alone_is_recorded_once_its_window_closes(pool: DirectPool) -> None:
+    (response_id,) = await _rows(pool, status="in_progress")
+    ends = GatheredEnds(pool, window_seconds=0.01)
+    assert await ends.finish(response_id, 3, _final(response_id))
+    assert (await _read(pool, response_id))[:3] == ("completed", 3, _final(response_id))
+    assert not await ends.finish(response_id, 3, _final(response_id, "failed"))  # ended: one outcome
+
+
+async def test_an_end_cancelled_in_its_window_is_left_out(pool: DirectPool) -> None:
+    """A task cancelled while its end waits (its lease lost, its worker stopping) has recorded nothing;
+    the window's other ends are recorded."""
+    left, kept = await _rows(pool, count=2)
+    ends = GatheredEnds(pool, window_seconds=0.3)
+    leaving = asyncio.create_task(ends.finish(left, 1, _final(left)))
+    staying = asyncio.create_task(ends.finish(kept, 1, _final(kept)))
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    assert await staying
+    assert leaving.cancelled()
+    assert (await _read(pool, left))[:2] == ("queued", 0)
+    assert (await _read(pool, kept))[:2] == ("completed", 1)
+
+
+async def test_an_outage_reaches_every_end_of_the_batch() -> None:
+    nowhere = DirectPool(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none", 1, wait_seconds=1)
+    ends = GatheredEnds(nowhere, window_seconds=0.05)
+    try:
+        outcomes = await asyncio.gather(
+            ends.finish("resp_a", 1, _final("resp_a")),
+            ends.finish("resp_b", 1, _final("resp_b")),
+            return_exceptions=True,
+        )
+    finally:
+        await nowhere.close()
+    assert len(outcomes) == 2
+    assert all(isinstance(outcome, Exception) and is_postgres_outage(outcome) for outcome in outcomes)
+
+
+async def test_a_closing_worker_records_the_ends_that_wait(pool: DirectPool) -> None:
+    (response_id,) = await _rows(pool)
+    ends = GatheredEnds(pool, window_seconds=600)
+    waiting = asyncio.create_task(ends.finish(response_id, 1, _final(response_id)))
+    await asyncio.sleep(0.05)
+    await ends.close()
+    assert await waiting
+    assert (await _read(pool, response_id))[0] == "completed"
