@@ -1,6 +1,6 @@
 """Gathered ends (worker/runner/ends.py) on real Postgres: the ends that meet in a window are
 recorded in one statement (one transaction: their rows share its id), each fenced on its own
-attempt with its own outcome; an end whose task is cancelled in the window is left out; an outage
+attempt with its own outcome; an end without company is recorded at once; an end whose task is cancelled in the window is left out; an outage
 reaches every end of the batch; a closing worker records what waits."""
 
 from __future__ import annotations
@@ -83,40 +83,56 @@ def _final(response_id: str, status: str = "completed") -> dict[str, Any]:
 async def test_ends_that_meet_in_a_window_are_one_transaction_each_fenced_on_its_own(
     pool: DirectPool,
 ) -> None:
-    completed, failed, cancelled, taken_over = await _rows(pool, count=4)
+    """The first two of a burst come alone and are recorded at once; the rest meet in the window the
+    third opens and are recorded together, each row on its own fence."""
+    lead, second_lead, completed, failed, cancelled, taken_over = await _rows(pool, count=6)
     async with pool.connection() as conn:
         await conn.execute("UPDATE response SET status = 'cancelled' WHERE id = %s", (cancelled,))
         assert await store.start_attempt(conn, taken_over, 2) is not None
     ends = GatheredEnds(pool, window_seconds=0.2)
     outcomes = await asyncio.gather(
+        ends.finish(lead, 1, _final(lead)),
+        ends.finish(second_lead, 1, _final(second_lead)),
         ends.finish(completed, 1, _final(completed)),
         ends.finish(failed, 1, _final(failed, "failed")),
         ends.finish(cancelled, 1, _final(cancelled)),
         ends.finish(taken_over, 1, _final(taken_over)),
     )
-    assert outcomes == [True, True, False, False]
+    assert outcomes == [True, True, True, True, False, False]
     first, second = await _read(pool, completed), await _read(pool, failed)
     assert first[:4] == ("completed", 1, _final(completed), None)
     assert second[:4] == ("failed", 1, _final(failed, "failed"), {"code": "server_error", "message": "é ☃"})
     assert first[4] == second[4]  # one statement, one commit
+    assert len({(await _read(pool, response_id))[4] for response_id in (lead, second_lead, completed)}) == 3
     assert (await _read(pool, cancelled))[:2] == ("cancelled", 0)  # another outcome's: untouched
     assert (await _read(pool, taken_over))[:2] == ("in_progress", 2)
-    assert (await _read(pool, taken_over))[4] != first[4]
 
 
-async def test_an_end_alone_is_recorded_once_its_window_closes(pool: DirectPool) -> None:
-    (response_id,) = await _rows(pool, status="in_progress")
-    ends = GatheredEnds(pool, window_seconds=0.01)
-    assert await ends.finish(response_id, 3, _final(response_id))
-    assert (await _read(pool, response_id))[:3] == ("completed", 3, _final(response_id))
-    assert not await ends.finish(response_id, 3, _final(response_id, "failed"))  # ended: one outcome
+async def test_an_end_without_company_is_recorded_at_once(pool: DirectPool) -> None:
+    """An end with fewer than two before it in the window's length does not wait (a window of ten
+    minutes); the third waits for the window it opens, and is recorded at its close (here a worker's
+    shutdown's)."""
+    first, second, third = await _rows(pool, status="in_progress", count=3)
+    ends = GatheredEnds(pool, window_seconds=600)
+    assert await asyncio.wait_for(ends.finish(first, 3, _final(first)), 10)
+    assert (await _read(pool, first))[:3] == ("completed", 3, _final(first))
+    assert await asyncio.wait_for(ends.finish(second, 3, _final(second)), 10)
+    waiting = asyncio.create_task(ends.finish(third, 3, _final(third)))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    assert (await _read(pool, third))[0] == "in_progress"
+    await ends.close()
+    assert await waiting
+    assert (await _read(pool, third))[0] == "completed"
 
 
 async def test_an_end_cancelled_in_its_window_is_left_out(pool: DirectPool) -> None:
     """A task cancelled while its end waits (its lease lost, its worker stopping) has recorded nothing;
     the window's other ends are recorded."""
-    left, kept = await _rows(pool, count=2)
+    *leads, left, kept = await _rows(pool, count=4)
     ends = GatheredEnds(pool, window_seconds=0.3)
+    for lead in leads:
+        assert await ends.finish(lead, 1, _final(lead))
     leaving = asyncio.create_task(ends.finish(left, 1, _final(left)))
     staying = asyncio.create_task(ends.finish(kept, 1, _final(kept)))
     await asyncio.sleep(0.05)
@@ -132,21 +148,9 @@ async def test_an_outage_reaches_every_end_of_the_batch() -> None:
     ends = GatheredEnds(nowhere, window_seconds=0.05)
     try:
         outcomes = await asyncio.gather(
-            ends.finish("resp_a", 1, _final("resp_a")),
-            ends.finish("resp_b", 1, _final("resp_b")),
-            return_exceptions=True,
+            *(ends.finish(f"resp_{n}", 1, _final(f"resp_{n}")) for n in range(4)), return_exceptions=True
         )
     finally:
         await nowhere.close()
-    assert len(outcomes) == 2
+    assert len(outcomes) == 4  # the first two alone, the other two gathered
     assert all(isinstance(outcome, Exception) and is_postgres_outage(outcome) for outcome in outcomes)
-
-
-async def test_a_closing_worker_records_the_ends_that_wait(pool: DirectPool) -> None:
-    (response_id,) = await _rows(pool)
-    ends = GatheredEnds(pool, window_seconds=600)
-    waiting = asyncio.create_task(ends.finish(response_id, 1, _final(response_id)))
-    await asyncio.sleep(0.05)
-    await ends.close()
-    assert await waiting
-    assert (await _read(pool, response_id))[0] == "completed"
