@@ -1,7 +1,8 @@
 """Gathered ends (worker/runner/ends.py) on real Postgres: the ends that meet in a window are
 recorded in one statement (one transaction: their rows share its id), each fenced on its own
-attempt with its own outcome; an end without company is recorded at once; an end whose task is cancelled in the window is left out; an outage
-reaches every end of the batch; a closing worker records what waits."""
+attempt with its own outcome; an end without company is recorded at once, and one that waits is
+recorded when a closing worker closes its window; an end whose task is cancelled in the window is
+left out; an outage reaches every end of the batch."""
 
 from __future__ import annotations
 
