@@ -12,7 +12,8 @@ responses share them.
 Nothing is weakened: an end waiting here is an end not yet recorded, as one whose statement is in
 flight is; a worker that dies meanwhile leaves the response live under its lease, and another
 worker resumes it (DESIGN.md §4). Each response's outcome is its own: a row another outcome had
-ended (a cancel) is not touched, and only its response is told so.
+ended (a cancel) is not touched, and only its response is told so; a statement one end's row
+failed (not an outage) is tried again end by end, so the fault is that end's alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from worker.outages import is_outage
 from worker.postgres import store
 from worker.postgres.direct import DirectPool
 
@@ -87,6 +89,10 @@ class GatheredEnds:
                 else:
                     won = await store.mark_all_finished(conn, [end[:3] for end in batch])
         except Exception as exc:
+            if len(batch) > 1 and not is_outage(exc):  # one end's fault (its row refused): each alone
+                for end in batch:
+                    await self._commit([end])
+                return
             for *_, future in batch:
                 if not future.done():
                     future.set_exception(exc)

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.support.stack import Servers, free_port, fresh_database
@@ -142,6 +143,25 @@ async def test_an_end_cancelled_in_its_window_is_left_out(pool: DirectPool) -> N
     assert leaving.cancelled()
     assert (await _read(pool, left))[:2] == ("queued", 0)
     assert (await _read(pool, kept))[:2] == ("completed", 1)
+
+
+async def test_an_end_whose_row_is_refused_fails_alone(pool: DirectPool) -> None:
+    """A statement that one end's row makes fail (here a NUL, which no Postgres text holds) is tried
+    again end by end: that end raises what Postgres said, the others are recorded."""
+    *leads, good, bad, other = await _rows(pool, count=5)
+    ends = GatheredEnds(pool, window_seconds=0.2)
+    for lead in leads:
+        assert await ends.finish(lead, 1, _final(lead))
+    outcomes = await asyncio.gather(
+        ends.finish(good, 1, _final(good)),
+        ends.finish(bad, 1, {**_final(bad), "output": [{"text": "nul \x00"}]}),
+        ends.finish(other, 1, _final(other)),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is True and outcomes[2] is True
+    assert isinstance(outcomes[1], psycopg.DataError) and not is_postgres_outage(outcomes[1])
+    assert (await _read(pool, bad))[0] == "queued"
+    assert (await _read(pool, good))[0] == (await _read(pool, other))[0] == "completed"
 
 
 async def test_an_outage_reaches_every_end_of_the_batch() -> None:
