@@ -176,8 +176,10 @@ _MARK_ALL_FINISHED = f"""
 UPDATE response
 SET status = ended.status, response = ended.response, error = ended.error, completed_at = now(),
     attempt = ended.attempt
-FROM jsonb_to_recordset(%(ended)s) AS ended (id text, attempt integer, status text, response jsonb, error jsonb)
-WHERE response.id = ended.id AND response.attempt <= ended.attempt AND response.status IN ({LIVE_STATUSES})
+FROM jsonb_to_recordset(%(ended)s)
+    AS ended (id text, attempt integer, status text, response jsonb, error jsonb)
+WHERE response.id = ended.id AND response.attempt <= ended.attempt
+    AND response.status IN ({LIVE_STATUSES})
 RETURNING response.id
 """
 _EXISTS = "SELECT EXISTS (SELECT 1 FROM response WHERE id = %(rid)s)"

@@ -1,19 +1,19 @@
 """Background responses' ends, gathered for a moment and committed together (DESIGN.md §2.3, §7).
 
 A background response nobody follows live (created with `background: true` and no `stream`: its
-client polls, at 250 ms or more) ends no sooner for a client than its next poll. Its end may wait a
-few milliseconds for others' (`RESPOOL_GATHER_ENDS_MS`), when others are coming: the ends that meet in that window go to
-Postgres as one statement, each row fenced on its own attempt (`store.mark_all_finished`), with one
-commit; their final appends then leave together and share one Redis round trip (`EventLog`'s
-batching). A response that comes alone costs its worker a wake-up for its end's statement and one
-for its last append, and Postgres a commit, each its own (README, CPU cost); gathered, two or three
-responses share them.
+client polls, at 250 ms or more) ends no sooner for a client than its next poll. While others are
+ending too, its end may wait a few milliseconds for theirs (`RESPOOL_GATHER_ENDS_MS`): the ends
+that meet in that window go to Postgres as one statement, each row fenced on its own attempt
+(`store.mark_all_finished`), with one commit; their final appends then leave together and share
+one Redis round trip (`EventLog`'s batching). A response that comes alone costs its worker a
+wake-up for its end's statement and one for its last append, and Postgres a commit, each its own
+(README, CPU cost); gathered, the responses that meet share them.
 
 Nothing is weakened: an end waiting here is an end not yet recorded, as one whose statement is in
 flight is; a worker that dies meanwhile leaves the response live under its lease, and another
 worker resumes it (DESIGN.md §4). Each response's outcome is its own: a row another outcome had
-ended (a cancel) is not touched, and only its response is told so; a statement one end's row
-failed (not an outage) is tried again end by end, so the fault is that end's alone.
+ended (a cancel) is not touched, and only its response is told so; a statement that one end's row
+made fail (not an outage) is tried again end by end, so the fault is that end's alone.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class GatheredEnds:
         tries again on its own)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        company = now - self._ends_at[0] < self._window_seconds  # two ends in the window's length before it
+        company = now - self._ends_at[0] < self._window_seconds  # two ends before it, that recently
         self._ends_at = (self._ends_at[1], now)
         if self._timer is None and not company:  # alone: recorded at once, as if never gathered
             async with self._direct.connection() as conn:
@@ -91,7 +91,8 @@ class GatheredEnds:
         except Exception as exc:
             if len(batch) > 1 and not is_outage(exc):  # one end's fault (its row refused): each alone
                 for end in batch:
-                    await self._commit([end])
+                    if not end[3].done():  # its task not cancelled meanwhile
+                        await self._commit([end])
                 return
             for *_, future in batch:
                 if not future.done():
