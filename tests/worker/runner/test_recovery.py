@@ -82,6 +82,36 @@ def test_kill_9_with_100_responses_in_flight(lab: Lab) -> None:
     assert len(lab.upstream.requests(talking)) == 75  # the unseen ones twice, the seen ones once
 
 
+def test_a_worker_killed_while_ends_wait_in_a_window_loses_none(lab: Lab) -> None:
+    """Background responses whose ends wait in a gathering window (worker/runner/ends.py) when their
+    worker is killed -9: nothing of them was recorded, nor told on their streams; each runs again on
+    another worker and completes once, its stream whole."""
+    lab.upstream.script(lab.model, {"text": "gathered answer"})
+    doomed = "doomed"
+    lab.start(doomed, env={"RESPOOL_GATHER_ENDS_MS": "1000"})  # the longest window there is
+    with ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(lambda _: lab.create(lab.model, 1)[0], range(8)))
+    # The first two ends came without company and were recorded at once; the third opened a window
+    # of a second, and the rest joined it.
+    wait_for(
+        lambda: sum(lab.sdk.responses.retrieve(rid).status == "completed" for rid in created) >= 2,
+        timeout=30,
+        interval=0.01,
+        what="the ends without company",
+    )
+    signal_process(lab.stack, doomed, KILL)
+    lab.stack.processes[doomed].wait(10)
+    waiting = [rid for rid in created if lab.sdk.responses.retrieve(rid).status != "completed"]
+    assert len(waiting) >= 3, f"{len(waiting)} of 8 were waiting in the window"
+    assert not any(_stream_ended(lab, rid) for rid in waiting)
+    lab.start("survivor")
+    assert set(wait_until_ended(lab.sdk, created, timeout=120).values()) == {"completed"}
+    for response_id in created:
+        stored = check_ended(lab.sdk, response_id)
+        assert stored["output"][0]["content"][0]["text"] == "gathered answer"
+    assert len(lab.upstream.requests(lab.model)) == len(created) + len(waiting)  # the waiting ones ran again
+
+
 def test_a_frozen_worker_writes_nothing_after_its_responses_were_taken_over(lab: Lab) -> None:
     """SIGSTOP past the lease, takeover, SIGCONT: the zombie's later output is fenced out everywhere."""
     quiet, talking = f"{lab.model}-quiet", f"{lab.model}-talking"
