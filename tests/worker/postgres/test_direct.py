@@ -9,33 +9,19 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import psycopg
 import pytest
 import uvloop
 
-from tests.support.stack import Servers, fresh_database
 from worker.outages import is_postgres_outage
 from worker.postgres import direct, store
 from worker.postgres.direct import DirectPool, PoolTimeoutError, driver_url, shares
 from worker.protocol.response import Status
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def database(backing: Servers) -> Iterator[str]:
-    with fresh_database(backing.database_url) as url:
-        yield url
-
-
-@pytest.fixture
-async def pool(database: str) -> AsyncIterator[DirectPool]:
-    pool = DirectPool(database, 2, wait_seconds=0.5)
-    yield pool
-    await pool.close()
 
 
 async def _backend(pool: DirectPool) -> int:

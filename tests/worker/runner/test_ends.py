@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
-from tests.support.stack import Servers, free_port, fresh_database
+from tests.support.stack import free_port
 from worker.outages import is_postgres_outage
 from worker.postgres import store
 from worker.postgres.direct import DirectPool
@@ -35,19 +34,6 @@ _ROW: dict[str, Any] = {
     "chain_depth": 0,
     "conversation_id": None,
 }
-
-
-@pytest.fixture(scope="module")
-def database(backing: Servers) -> Iterator[str]:
-    with fresh_database(backing.database_url) as url:
-        yield url
-
-
-@pytest.fixture
-async def pool(database: str) -> AsyncIterator[DirectPool]:
-    pool = DirectPool(database, 2, wait_seconds=2)
-    yield pool
-    await pool.close()
 
 
 async def _rows(pool: DirectPool, status: str = "queued", count: int = 1) -> list[str]:
