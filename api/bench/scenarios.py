@@ -9,7 +9,8 @@ the same machine at the same moment:
 4. short non-streaming responses per second: foreground, and (respool) background: create + poll,
    and create + wait for the webhook that tells the response ended (api/bench/told.py);
 5. what each proxy costs in CPU (api/bench/cpu.py; issue 20): its whole process tree's CPU time per
-   relayed token at 30 and 100 streams (150 tokens 20 ms apart), per short foreground request and
+   relayed token at 30 and 100 streams (150 tokens 20 ms apart; at least 90 streams a level, in
+   waves of as many as run at once), per short foreground request and
    per background response (its polls' cost taken out, and one poll's cost beside it) and per short
    foreground request at the background responses' rate (each client waiting as long as a
    background one waits for its poll), its idle cost subtracted; and the load generator's own CPU
@@ -56,7 +57,11 @@ class Plan:
     memory_tokens: int = 50
     memory_pace_ms: int = 100
     worker_counts: tuple[int, ...] = (1, 2)
-    cost_streams: tuple[int, ...] = (30, 100)  # concurrent streams, each started once
+    cost_streams: tuple[int, ...] = (30, 100)  # concurrent streams
+    # At least this many streams a level, in waves of as many as run at once: 30 streams' 4,500
+    # tokens cost respool under a second of CPU, and one run read 141 then 181 µs a token ten
+    # minutes apart on one build (README, CPU cost); three waves at 30 streams, one at 100.
+    cost_min_streams: int = 90
     cost_tokens: int = 150
     cost_pace_ms: int = 20
     cost_requests: int = 400  # short requests, `cost_concurrency` at a time
@@ -79,6 +84,7 @@ class Plan:
             memory_tokens=30,
             memory_pace_ms=50,
             cost_streams=(5, 10),
+            cost_min_streams=12,  # three waves of 5, two of 10
             cost_tokens=20,
             cost_requests=20,
             cost_polls=200,  # a poll costs under half a ms: 20 fit in one of /proc's 10 ms ticks
@@ -252,10 +258,11 @@ async def _cost(plan: Plan, progress: Progress, system: System) -> dict[str, Any
         result: dict[str, Any] = {"idle_cores": round(idle["system"], 4), "streams": {}}
         for concurrency in plan.cost_streams:
             before = cpu.read(trees)
+            waves = max(1, -(-plan.cost_min_streams // concurrency))
             samples = await load.streams(
                 target,
                 concurrency=concurrency,
-                count=concurrency,
+                count=concurrency * waves,
                 tokens=plan.cost_tokens,
                 pace_ms=plan.cost_pace_ms,
             )

@@ -169,7 +169,9 @@ def test_a_quick_bench_measures_every_system(backing: Servers, tmp_path: Path) -
             assert {"ttft_ms", "gap_ms"} <= set(system["added"]["1"])
             cost = system["cpu"]  # its process tree's CPU (api/bench/cpu.py)
             for level, streamed in cost["streams"].items():
-                assert streamed["clean"] == int(level) and streamed["us_per_token"] > 0, (name, cost)
+                waves = -(-result["plan"]["cost_min_streams"] // int(level))  # each level's streams, in waves
+                assert streamed["clean"] == int(level) * waves and streamed["us_per_token"] > 0, (name, cost)
+                assert streamed["tokens"] == streamed["clean"] * result["plan"]["cost_tokens"], (name, cost)
                 assert streamed["load_us_per_token"] >= 0, (name, cost)  # lean: may be under a tick
             assert cost["foreground"]["errors"] == 0 and cost["foreground"]["ms_per_response"] > 0, cost
             assert cost["idle_cores"] >= 0
