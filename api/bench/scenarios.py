@@ -10,11 +10,10 @@ the same machine at the same moment:
    and create + wait for the webhook that tells the response ended (api/bench/told.py);
 5. what each proxy costs in CPU (api/bench/cpu.py; issue 20): its whole process tree's CPU time per
    relayed token at 30 and 100 streams (150 tokens 20 ms apart; at least 90 streams a level, in
-   waves of as many as run at once), per short foreground request and
-   per background response (its polls' cost taken out, and one poll's cost beside it) and per short
-   foreground request at the background responses' rate (each client waiting as long as a
-   background one waits for its poll), its idle cost subtracted; and the load generator's own CPU
-   per token.
+   waves of as many as run at once), per short foreground request and per background response (its
+   polls' cost taken out, and one poll's cost beside it) and per short foreground request at the
+   background responses' rate (each client waiting as long as a background one waits for its
+   poll), its idle cost subtracted; and the load generator's own CPU per token.
 """
 
 from __future__ import annotations
