@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     # single statements on psycopg directly, half for transactions (worker/postgres/direct.py).
     database_connections: int = Field(default=20, ge=2)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
+    # How long Redis may be unreachable (a restart, a managed failover) before the responses that
+    # need it give up: a worker keeps generating and holds what it cannot append, an open stream
+    # stays open with heartbeats, and both go on from where they were once Redis answers again.
+    redis_outage_seconds: float = Field(default=60.0, ge=0)
 
     # Limits on what one request may carry (issue 7): a body over max_body_bytes is refused with
     # 413 before more of it is read; more input items than max_input_items with 400.
