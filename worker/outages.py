@@ -73,6 +73,26 @@ def as_unavailable(exc: BaseException) -> UnavailableError | None:
     return error
 
 
+class OutageMemory:
+    """When this process last met Redis unreachable (a failed round trip of any of its users).
+
+    Leases and deadlines lapse on the wall clock while nobody can renew them, so for a while after
+    an outage a worker takes back the leases it holds that lapsed (`Leases.renew`), and waits before
+    it judges other workers dead by their missed deadlines (`recovery.take_back`): each live one
+    renews within a heartbeat of Redis answering again. A process starts as if it had just met one:
+    it has not yet seen the others renew either."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def met(self) -> None:
+        self.last = time.monotonic()
+
+    def within(self, seconds: float) -> bool:
+        """Whether the last outage was less than `seconds` ago."""
+        return time.monotonic() - self.last < seconds
+
+
 def _server(exc: BaseException) -> str:
     return "Redis" if is_redis_outage(exc) else "Postgres"
 

@@ -6,6 +6,7 @@ fencing token every later write is checked against.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
+
+log = logging.getLogger("respool.leases")
 
 # KEYS: lease, attempt, events. ARGV: holder, ttl ms. Returns {the new attempt, the stream's newest
 # entry as XREVRANGE gives it (none: an empty list)}, or {0} while another holder is alive. Only a
@@ -31,10 +34,23 @@ _ACQUIRE = ACQUIRE_FUNCTION + "return acquire(KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 # A stream entry as Redis sends it inside a script's reply: (entry id, [name, value, ...]).
 type FlatEntry = tuple[bytes, list[bytes]]
 
-# KEYS: lease. ARGV: value, ttl ms. Renews only our own lease.
+# KEYS: lease, attempt. ARGV: value, ttl ms, attempt, whether to take a lapsed lease again ("1" or
+# ""). Renews our own lease; a lease that is gone is taken again, if asked, if no later attempt has
+# started (the attempt counter is not past ours): a lease
+# that lapsed while Redis was unreachable, or restarting, was never anyone else's meanwhile, since
+# only an acquire (which counts the attempt up) makes a new holder. A counter behind ours (writes a
+# failover lost) is set back to ours, so a later acquire still fences us. Returns 1 renewed, 2
+# taken again, 0 lost (another holder's, or a later attempt's).
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if held or ARGV[4] ~= '1' then return 0 end
+local counted = tonumber(redis.call('GET', KEYS[2]) or '0')
+local attempt = tonumber(ARGV[3])
+if counted > attempt then return 0 end
+if counted < attempt then redis.call('SET', KEYS[2], attempt, 'KEEPTTL') end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 2
 """
 
 # KEYS: lease. ARGV: value. Deletes only our own lease.
@@ -98,21 +114,40 @@ class Leases:
         keys = _acquire_keys(response_id)
         pipe.eval(_ACQUIRE, len(keys), *keys, holder, self._ttl_ms)
 
-    async def renew(self, leases: list[Lease]) -> list[Lease]:
-        """Renew every lease in one pipeline; return the ones that were lost."""
+    async def renew(self, leases: list[Lease], *, reclaim: bool = False) -> tuple[list[Lease], list[Lease]]:
+        """Renew every lease in one pipeline, with `reclaim` taking again those that lapsed while
+        nobody else could take them (`_RENEW`: after an outage); the ones lost, and the ones taken
+        again."""
         if not leases:
-            return []
+            return [], []
         async with self._redis.pipeline(transaction=False) as pipe:
             for lease in leases:
-                await self._renew(
-                    keys=[lease_key(lease.response_id)], args=[lease.value, self._ttl_ms], client=pipe
-                )
+                args = self._renew_args(lease, reclaim)
+                await self._renew(keys=_renew_keys(lease), args=args, client=pipe)
             results = await pipe.execute()
-        return [lease for lease, kept in zip(leases, results, strict=True) if not kept]
+        retaken = [lease for lease, kept in zip(leases, results, strict=True) if kept == 2]
+        for lease in retaken:
+            log.info("response %s: lease taken again (attempt %d)", lease.response_id, lease.attempt)
+        return [lease for lease, kept in zip(leases, results, strict=True) if not kept], retaken
+
+    async def reclaim(self, lease: Lease) -> bool:
+        """Renew `lease`, or take it again if it lapsed and no later attempt has started (an append
+        found it gone after Redis was unreachable); False if it is lost."""
+        kept = await self._renew(keys=_renew_keys(lease), args=self._renew_args(lease, True))
+        if kept == 2:
+            log.info("response %s: lease taken again (attempt %d)", lease.response_id, lease.attempt)
+        return bool(kept)
+
+    def _renew_args(self, lease: Lease, reclaim: bool) -> list[str | int]:
+        return [lease.value, self._ttl_ms, lease.attempt, "1" if reclaim else ""]
 
     async def release(self, lease: Lease) -> None:
         """Give the lease up (a no-op if it is no longer ours)."""
         await self._release(keys=[lease_key(lease.response_id)], args=[lease.value])
+
+
+def _renew_keys(lease: Lease) -> list[str]:
+    return [lease_key(lease.response_id), attempt_key(lease.response_id)]
 
 
 def _acquire_keys(response_id: str) -> list[str]:

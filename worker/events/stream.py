@@ -281,10 +281,15 @@ class EventLog:
     """
 
     def __init__(
-        self, redis: Redis, on_append: Callable[[int], object] | None = None, batch_seconds: float = 0.0
+        self,
+        redis: Redis,
+        on_append: Callable[[int], object] | None = None,
+        batch_seconds: float = 0.0,
+        on_outage: Callable[[], object] | None = None,
     ) -> None:
         self.redis = redis
         self._on_append = on_append  # told how many events each successful append added
+        self._on_outage = on_outage  # told of each round trip that failed
         self._batch_seconds = batch_seconds
         self._next_at = 0.0  # the loop time before which no pipeline goes (under load)
         self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
@@ -345,6 +350,8 @@ class EventLog:
                 results = await self._execute(batch, whole=True)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
+            if self._on_outage is not None:
+                self._on_outage()
         added = 0
         for (_, events, _, _, done), result in zip(batch, results, strict=True):
             outcome = _OUTCOMES[result] if type(result) is int else result

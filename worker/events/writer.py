@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 
 from worker.errors import CancelRequestedError, FencedOutError
@@ -37,6 +39,19 @@ BEFORE_OUTPUT = frozenset({"response.created", "response.queued", "response.in_p
 # what it holds in memory stays bounded however long the turn.
 DEFERRED_MOST = 512
 
+# Takes a lease an append found gone again, if it may be (`Runtime.reclaim`); whether it did.
+type Reclaim = Callable[[Lease], Awaitable[bool]]
+
+
+class RedisOutlastedError(RedisConnectionError):
+    """Redis stayed unreachable past a writer's patience (RESPOOL_REDIS_OUTAGE_SECONDS, for an
+    attempt's): the response fails saying so. An outage still (`is_redis_outage`), its cause the
+    last error met."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"Redis was unreachable for {seconds:g} s")
+        self.seconds = seconds
+
 
 class ResponseWriter:
     """Numbers one attempt's events and appends them under its lease.
@@ -52,15 +67,34 @@ class ResponseWriter:
     """
 
     @classmethod
-    def after(cls, log_: EventLog, lease: Lease, last: Event | None, patience: float = 0.0) -> ResponseWriter:
+    def after(
+        cls,
+        log_: EventLog,
+        lease: Lease,
+        last: Event | None,
+        patience: float = 0.0,
+        reclaim: Reclaim | None = None,
+    ) -> ResponseWriter:
         """A writer that appends after `last`, the stream's newest event (None: an empty stream)."""
-        return cls(log_, lease, next_sequence_after(last), patience)
+        return cls(log_, lease, next_sequence_after(last), patience, reclaim)
 
-    def __init__(self, log_: EventLog, lease: Lease, next_sequence: int, patience: float = 0.0) -> None:
+    def __init__(
+        self,
+        log_: EventLog,
+        lease: Lease,
+        next_sequence: int,
+        patience: float = 0.0,
+        reclaim: Reclaim | None = None,
+    ) -> None:
         self.log = log_
         self.lease = lease
         self.next_sequence = next_sequence
         self.patience = patience
+        # Asked whether a lease an append found gone may be taken again (it lapsed while Redis was
+        # unreachable, and no later attempt started): then the append goes again, not fenced.
+        self._reclaim = reclaim
+        self._reclaimed = False  # the batch in flight has asked for its lease again
+        self._reclaiming: asyncio.Task[None] | None = None  # kept while it asks
         self.started_at = time.monotonic()
         self.first_output_at: float | None = None
         self._pending: list[dict[str, Any]] = []
@@ -94,6 +128,10 @@ class ResponseWriter:
         self._raise_failure()
         self._abandoned = self._kept = False
         self._pending += events
+        if self._retry_until and len(self._pending) >= DEFERRED_MOST:
+            # Redis is unreachable and the model goes on: what waits is merged as it grows, so it
+            # holds the output's text, not an event for every delta of it.
+            self._pending = coalesce.merge_deltas(self._pending)
         waits = (self._deferred or self._holding) and len(self._pending) < DEFERRED_MOST
         if self._inflight is None and self._pending and not waits:
             self._submit()
@@ -164,6 +202,7 @@ class ResponseWriter:
                 encode(event, self.next_sequence + offset) for offset, event in enumerate(events)
             ]
         self._retry_until = 0.0
+        self._reclaimed = False
         self.log.submit(self.lease, self._inflight, 0, self._landed)
 
     def _resubmit(self) -> None:
@@ -185,8 +224,12 @@ class ResponseWriter:
         if isinstance(outcome, Exception):
             if is_outage(outcome) and not self._abandoned and self._retry(outcome):
                 return
-            failure: BaseException | None = outcome
+            failure: BaseException | None = self._outlasted(outcome) if is_outage(outcome) else outcome
         else:
+            if outcome is AppendResult.FENCED and self._may_reclaim():
+                self._reclaimed = True
+                self._reclaiming = asyncio.get_running_loop().create_task(self._take_again())
+                return
             self._counted(encoded)
             failure = None
             if outcome is AppendResult.FENCED:
@@ -202,6 +245,26 @@ class ResponseWriter:
             self._submit()
             return
         self._wake()
+
+    def _may_reclaim(self) -> bool:
+        """Whether a fenced batch may ask for its lease again: once a batch (a lease lost again is
+        lost), and not once the attempt is over."""
+        return self._reclaim is not None and not self._reclaimed and not self._abandoned
+
+    async def _take_again(self) -> None:
+        """The batch in flight was fenced out: send it again if its lease could be taken again,
+        else end in the fence."""
+        assert self._reclaim is not None
+        try:
+            again = await self._reclaim(self.lease)
+        except Exception as exc:  # Redis again: the batch's outage, retried within its patience
+            self._reclaimed = False
+            self._landed(exc)
+            return
+        if again:
+            self._resubmit()
+        else:
+            self._landed(AppendResult.FENCED)
 
     def _wake(self) -> None:
         """Tell whoever waits for the writer to be idle."""
@@ -226,6 +289,15 @@ class ResponseWriter:
         loop.call_later(self._retry_delay, self._resubmit)
         self._retry_delay = min(self._retry_delay * 2, 1.0)
         return True
+
+    def _outlasted(self, outage: Exception) -> Exception:
+        """What an append that met `outage` past the writer's patience raises: a writer with none
+        (the API's, which answers 503 at once) raises the outage itself."""
+        if not self.patience or isinstance(outage, RedisOutlastedError):
+            return outage
+        outlasted = RedisOutlastedError(self.patience)
+        outlasted.__cause__ = outage
+        return outlasted
 
     def _counted(self, encoded: list[Event]) -> None:
         """A batch landed: the numbers are used up (only now: a writer that goes on after a failed
@@ -257,6 +329,8 @@ class ResponseWriter:
             await self._landing()  # after what `send` has in flight
         encoded = [encode(event, self.next_sequence + offset) for offset, event in enumerate(events)]
         result = await self._append(encoded, retain_seconds, leaving)
+        if result is AppendResult.FENCED and self._reclaim is not None and await self._reclaim(self.lease):
+            result = await self._append(encoded, retain_seconds, leaving)
         self._counted(encoded)
         if result is AppendResult.FENCED:
             raise FencedOutError(self.lease.response_id)
@@ -268,7 +342,12 @@ class ResponseWriter:
     ) -> AppendResult:
         """One append, tried again while Redis is unreachable, for up to `patience` seconds."""
         once = partial(self._append_once, encoded, retain_seconds, leaving)
-        return await patiently(once, self.patience, first_delay=0.1, max_delay=1.0)
+        try:
+            return await patiently(once, self.patience, first_delay=0.1, max_delay=1.0)
+        except Exception as exc:
+            if is_outage(exc):
+                raise self._outlasted(exc) from exc
+            raise
 
     async def _append_once(
         self, encoded: list[Event], retain_seconds: int, leaving: Leaving | None

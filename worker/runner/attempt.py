@@ -25,8 +25,14 @@ from worker.errors import (
 )
 from worker.events.lease import Lease
 from worker.events.stream import Event, decode_flat, expire_response, last_event, read_events, start_over
-from worker.events.writer import BEFORE_OUTPUT, ResponseWriter, end_stream, terminal_event
-from worker.outages import is_outage, patiently
+from worker.events.writer import (
+    BEFORE_OUTPUT,
+    RedisOutlastedError,
+    ResponseWriter,
+    end_stream,
+    terminal_event,
+)
+from worker.outages import is_outage, is_redis_outage, patiently
 from worker.postgres import conversations, store
 from worker.protocol import compaction, items
 from worker.protocol.response import APPENDED, LIVE, TERMINAL, Status, failed, finished
@@ -51,6 +57,12 @@ ROW_WAIT_SECONDS = 10.0
 WORKER_LOST = (
     "The worker running this response stopped after it had started streaming output; running it "
     "again would repeat that output, so it was ended here. Retry the request."
+)
+
+
+REDIS_OUTLASTED = (
+    "respool could not reach its Redis for {seconds:g} s (RESPOOL_REDIS_OUTAGE_SECONDS) while running "
+    "this response, so it was ended here. Retry the request."
 )
 
 
@@ -92,7 +104,14 @@ async def run_response(rt: Runtime, response_id: str, started: Started | None = 
         rt.held.pop(response_id, None)
         rt.cancelling.discard(response_id)
         rt.interrupted.pop(response_id, None)
-        await _let_go(rt, lease, end)
+        try:
+            await _let_go(rt, lease, end)
+        except Exception as exc:
+            if not is_redis_outage(exc):
+                raise
+            # The queue still holds it: past its deadline the sweep puts it back, and its next
+            # holder finds it ended and tells its stream so.
+            log.warning("response %s: could not leave the queue (%s)", response_id, exc)
     assert end is not None  # every way out without one raised
     return end
 
@@ -142,7 +161,7 @@ async def _fail_unexpectedly(rt: Runtime, lease: Lease) -> bool:
         last = await last_event(rt.redis, lease.response_id)
         if stored is None or stored.status not in LIVE or last is None:
             return stored is None or stored.status in TERMINAL
-        writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
+        writer = ResponseWriter.after(rt.log, lease, last, rt.redis_outage_seconds, rt.reclaim)
         final = failed(
             stored.response, "The server had an error while running this response.", int(time.time())
         )
@@ -170,7 +189,7 @@ async def _run_ahead(
     defers its appends (`ResponseWriter.defer`): its create waits for the terminal event alone.
     `announced`: its take appended its `response.in_progress` (`queue.ResponseQueue.take_started`)."""
     row_wait_until = time.monotonic() + ROW_WAIT_SECONDS
-    writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
+    writer = ResponseWriter.after(rt.log, lease, last, rt.redis_outage_seconds, rt.reclaim)
     if not stored.stream and not stored.background:
         writer.defer()
     if announced:
@@ -186,7 +205,7 @@ async def _run_attempt(rt: Runtime, lease: Lease, last: Event | None) -> None:
     """`last`: the stream's newest event when the lease was taken (nothing but this lease's holder
     appends now, so it is still the newest)."""
     stored = await _patiently(rt, partial(_start, rt, lease))
-    writer = ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds)
+    writer = ResponseWriter.after(rt.log, lease, last, rt.redis_outage_seconds, rt.reclaim)
     if stored is None:  # deleted, ended, or a later attempt's: end its stream if it has ended
         await _end_as_stored(rt, writer)
         return
@@ -275,6 +294,13 @@ async def _produce(
         await writer.settle()
         log.info("response %s failed: %s", stored.id, exc.message)
         return failed(response, exc.message, int(time.time()), output=exc.output)
+    except RedisOutlastedError as exc:
+        # Its end is recorded in Postgres; its stream's end is told once Redis answers, by whoever
+        # holds the response next (`_end_as_stored`), so nothing waits another bound for it.
+        await writer.abandon()
+        writer.patience = 0.0
+        log.warning("response %s failed: %s", stored.id, exc)
+        return failed(response, REDIS_OUTLASTED.format(seconds=exc.seconds), int(time.time()))
     except UpstreamError as exc:
         await writer.settle()  # what was sent lands before the failure is told
         # An upstream (or a proxy before it) may quote the key it was sent, in any failure it reports.
@@ -493,9 +519,15 @@ async def _finish(
     # the queue and gives its lease back in it too (a round trip less at its end).
     rid = writer.lease.response_id
     leaving = rt.queue.leaving(rid)
-    await writer.emit(
-        [terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds, leaving=leaving
-    )
+    try:
+        await writer.emit(
+            [terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds, leaving=leaving
+        )
+    except RedisOutlastedError as exc:  # recorded: the next holder tells the stream (`_end_as_stored`)
+        log.warning("response %s: its end is recorded, its stream not told (%s)", rid, exc)
+        rt.held.pop(rid, None)
+        _observe(rt.metrics, writer, str(final["status"]))
+        return
     rt.held.pop(rid, None)  # its lease is gone: the heartbeat has nothing to renew, nor to find lost
     rt.left_queue.add(rid)
     _observe(rt.metrics, writer, str(final["status"]))
@@ -642,7 +674,9 @@ async def end_response(rt: Runtime, response_id: str, message: str) -> bool:
                 delivery_ids = await rt.notifier.record(conn, response_id, stored.owner, Status.FAILED)
         await rt.notifier.send(delivery_ids)
         last = await last_event(rt.redis, response_id)
-        await _end_as_stored(rt, ResponseWriter.after(rt.log, lease, last, rt.leases.ttl_seconds))
+        await _end_as_stored(
+            rt, ResponseWriter.after(rt.log, lease, last, rt.redis_outage_seconds, rt.reclaim)
+        )
         return bool(won)
     finally:
         await rt.leases.release(lease)

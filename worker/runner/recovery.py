@@ -65,9 +65,13 @@ async def sweep(
     # One lock per queue: deployments sharing a Redis each sweep their own responses.
     if not await rt.redis.set(sweep_lock_key(settings.queue), rt.holder, nx=True, px=lock_ms):
         return None
-    ended = await take_back(rt, settings.max_attempts)
-    if orphans:
-        ended += await end_orphans(rt, settings)
+    ended = 0
+    # Just after Redis was unreachable (or this worker started), a missed deadline or a lapsed
+    # lease says nothing yet: their live holders renew them within a heartbeat (`Runtime.recovering`).
+    if not rt.recovering():
+        ended += await take_back(rt, settings.max_attempts)
+        if orphans:
+            ended += await end_orphans(rt, settings)
     if not retention:
         return ended
     # Each statement its own transaction (autocommit), here and in the pages below: a sweep runs

@@ -18,6 +18,7 @@ from worker.connections import connect, sync_client
 from worker.errors import ConfigError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import EventLog
+from worker.outages import OutageMemory
 from worker.outbound import OutboundPolicy
 from worker.postgres import store
 from worker.postgres.direct import DirectPool
@@ -68,6 +69,12 @@ class Runtime:
     compact_summary_tokens: int = 2048  # the longest summary a compaction asks for
     batch_seconds: float = 0.0  # RESPOOL_BATCH_MS (EventLog)
     gather_ends_seconds: float = 0.0  # RESPOOL_GATHER_ENDS_MS (GatheredEnds; 0: each end alone)
+    # RESPOOL_REDIS_OUTAGE_SECONDS: how long a response's appends wait for an unreachable Redis.
+    redis_outage_seconds: float = 60.0
+    # How long after an outage this worker takes back its lapsed leases and leaves other workers'
+    # missed deadlines alone: long enough for each live worker to renew what it holds.
+    after_outage_seconds: float = 12.0
+    outages: OutageMemory = field(default_factory=OutageMemory)
     log: EventLog = field(init=False)
     ends: GatheredEnds | None = field(init=False)  # unfollowed background responses' ends
     autocommit: AsyncEngine = field(init=False)  # for one-statement work (store.single_statements)
@@ -83,7 +90,12 @@ class Runtime:
     _sealer: Sealer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.log = EventLog(self.redis, on_append=self.metrics.events.inc, batch_seconds=self.batch_seconds)
+        self.log = EventLog(
+            self.redis,
+            on_append=self.metrics.events.inc,
+            batch_seconds=self.batch_seconds,
+            on_outage=self.outages.met,
+        )
         self.autocommit = store.single_statements(self.engine)
         self.ends = (
             GatheredEnds(self.direct, self.gather_ends_seconds, self.metrics.gathered_ends.observe)
@@ -114,6 +126,15 @@ class Runtime:
         if task is not None and response_id in self.generating and response_id not in self.cancelling:
             self.cancelling.add(response_id)
             task.cancel()
+
+    def recovering(self) -> bool:
+        """Whether Redis was unreachable too lately for leases and deadlines to be judged by."""
+        return self.outages.within(self.after_outage_seconds)
+
+    async def reclaim(self, lease: Lease) -> bool:
+        """Take `lease` again where it lapsed during a recent outage and no later attempt started
+        (an append found it gone before the heartbeat took it again); False if it is lost."""
+        return self.recovering() and await self.leases.reclaim(lease)
 
     def interrupt(self, response_id: str, end: RunEnd) -> None:
         """Stop the response's attempt at once: its lease was lost (FENCED), or the worker stops (STOPPED)."""
@@ -154,6 +175,8 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
         compact_summary_tokens=settings.compact_summary_tokens,
         batch_seconds=settings.batch_ms / 1000,
         gather_ends_seconds=settings.gather_ends_ms / 1000,
+        redis_outage_seconds=settings.redis_outage_seconds,
+        after_outage_seconds=settings.registry_seconds + 2 * settings.heartbeat_seconds,
     )
 
 

@@ -361,6 +361,8 @@ class ResponseWorker(BaseWorker):
             try:
                 await action()
             except Exception as exc:
+                if is_redis_outage(exc):
+                    self._runtime.outages.met()
                 if is_outage(exc):  # say it in one line
                     log.warning("periodic %s skipped: %s", action.__name__, type(exc).__name__)
                 else:
@@ -374,9 +376,15 @@ class ResponseWorker(BaseWorker):
         now) stops its attempt at once, and its deadline is no longer renewed.
         """
         held = self._runtime.held
-        lost = await self._runtime.leases.renew(list(held.values()))
-        # A response that ended while the renewal was under way gave its lease back: not lost.
+        lost, retaken = await self._runtime.leases.renew(
+            list(held.values()), reclaim=self._runtime.recovering()
+        )
+        # A response that ended while the renewal was under way gave its lease back: not lost, and
+        # not to be held again.
         lost = [lease for lease in lost if held.get(lease.response_id) is lease]
+        for lease in retaken:
+            if held.get(lease.response_id) is not lease:
+                await self._runtime.leases.release(lease)
         for lease in lost:
             log.warning("response %s: lease lost (attempt %d); stopping it", lease.response_id, lease.attempt)
             self._runtime.interrupt(lease.response_id, RunEnd.FENCED)

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from worker.errors import CancelRequestedError, FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.events.stream import AppendResult, Event, EventLog, Leaving, read_events
-from worker.events.writer import DEFERRED_MOST, ResponseWriter, end_stream
+from worker.events.writer import DEFERRED_MOST, RedisOutlastedError, ResponseWriter, end_stream
 from worker.translation.output import output_items, tell_whole
 
 LEASE = Lease("resp_1", 1, "worker-a")
@@ -271,11 +271,14 @@ async def test_a_sent_append_is_retried_while_redis_is_briefly_away_then_given_u
     log.answer()
     await writer.drain()
     assert (log.landed, writer.next_sequence) == ([3], 4)
-    impatient = ResponseWriter(ScriptedLog(RedisConnectionError("down")), LEASE, next_sequence=3)  # type: ignore[arg-type]
+    impatient = ResponseWriter(
+        ScriptedLog(RedisConnectionError("down")), LEASE, next_sequence=3, patience=0.05
+    )  # type: ignore[arg-type]
     impatient.send([_delta("a")])
     impatient.log.answer()  # type: ignore[attr-defined]
-    with pytest.raises(RedisConnectionError):
+    with pytest.raises(RedisOutlastedError) as outlasted:
         impatient.send([_delta("b")])
+    assert isinstance(outlasted.value.__cause__, RedisConnectionError)
     assert impatient.next_sequence == 3
 
 
