@@ -52,6 +52,13 @@ class Restartable:
             self.redis.stop()
             self.redis = None
 
+    def kill_redis(self) -> None:
+        """SIGKILL Redis, as a crash or an OOM kill would (what it had written to its AOF stays)."""
+        if self.redis is not None:
+            self.redis.process.kill()
+            self.redis.process.wait()
+            self.stop_redis()
+
     def start_redis(self, *, is_empty: bool = False) -> None:
         """Start Redis on its data (or on none: a Redis that lost everything), at the same URL."""
         redis_dir = self.data_dir / "redis"
