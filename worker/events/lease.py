@@ -34,9 +34,10 @@ _ACQUIRE = ACQUIRE_FUNCTION + "return acquire(KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 # A stream entry as Redis sends it inside a script's reply: (entry id, [name, value, ...]).
 type FlatEntry = tuple[bytes, list[bytes]]
 
-# KEYS: lease, attempt. ARGV: value, ttl ms, attempt, whether to take a lapsed lease again ("1" or
-# ""). Renews our own lease; a lease that is gone is taken again, if asked, if no later attempt has
-# started (the attempt counter is not past ours): a lease
+# KEYS: lease, attempt, events. ARGV: value, ttl ms, attempt, whether to take a lapsed lease again
+# ("1" or ""). Renews our own lease; a lease that is gone is taken again, if asked, if no later
+# attempt has started (the attempt counter is not past ours) and the response's stream is there (a
+# Redis that came back without its data lost what the attempt had told): a lease
 # that lapsed while Redis was unreachable, or restarting, was never anyone else's meanwhile, since
 # only an acquire (which counts the attempt up) makes a new holder. A counter behind ours (writes a
 # failover lost) is set back to ours, so a later acquire still fences us. Returns 1 renewed, 2
@@ -44,7 +45,7 @@ type FlatEntry = tuple[bytes, list[bytes]]
 _RENEW = """
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if held or ARGV[4] ~= '1' then return 0 end
+if held or ARGV[4] ~= '1' or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local counted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local attempt = tonumber(ARGV[3])
 if counted > attempt then return 0 end
@@ -147,7 +148,8 @@ class Leases:
 
 
 def _renew_keys(lease: Lease) -> list[str]:
-    return [lease_key(lease.response_id), attempt_key(lease.response_id)]
+    rid = lease.response_id
+    return [lease_key(rid), attempt_key(rid), events_key(rid)]
 
 
 def _acquire_keys(response_id: str) -> list[str]:

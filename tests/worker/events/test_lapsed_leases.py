@@ -17,7 +17,7 @@ from worker.errors import FencedOutError
 from worker.events.lease import Leases
 from worker.events.stream import EventLog, read_events
 from worker.events.writer import ResponseWriter
-from worker.keys import attempt_key, lease_key
+from worker.keys import attempt_key, events_key, lease_key
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,8 @@ async def test_a_lapsed_lease_is_taken_again_only_when_asked_and_no_later_attemp
     mine = await leases.acquire(ours, "worker-a")
     taken_over = await leases.acquire(theirs, "worker-a")
     assert mine is not None and taken_over is not None
+    for rid in (ours, theirs):
+        await redis.xadd(events_key(rid), {"t": "response.created", "d": "{}"}, id="0-1")
     await redis.delete(lease_key(ours), lease_key(theirs))  # both lapsed
     assert await leases.acquire(theirs, "worker-b") is not None  # a later attempt started on one
 
@@ -49,6 +51,7 @@ async def test_a_counter_a_failover_lost_is_set_back_so_a_later_acquire_still_fe
     rid = _rid()
     held = await leases.acquire(rid, "worker-a")
     assert held is not None
+    await redis.xadd(events_key(rid), {"t": "response.created", "d": "{}"}, id="0-1")
     await redis.delete(lease_key(rid), attempt_key(rid))  # a replica promoted before it had either
     assert await leases.reclaim(held)
     assert int(await redis.get(attempt_key(rid))) == held.attempt
@@ -56,6 +59,16 @@ async def test_a_counter_a_failover_lost_is_set_back_so_a_later_acquire_still_fe
     later = await leases.acquire(rid, "worker-b")
     assert later is not None and later.attempt == held.attempt + 1
     assert not await leases.reclaim(held)
+
+
+async def test_a_lease_whose_stream_is_gone_is_not_taken_again(redis: Redis) -> None:
+    """A Redis that came back without its data lost what the attempt had told: its lease stays lost."""
+    leases = Leases(redis, 5)
+    rid = _rid()
+    held = await leases.acquire(rid, "worker-a")
+    assert held is not None
+    await redis.delete(lease_key(rid), attempt_key(rid), events_key(rid))
+    assert await leases.renew([held], reclaim=True) == ([held], [])
 
 
 async def test_a_writer_whose_lease_lapsed_appends_again_once_it_is_taken_again(redis: Redis) -> None:
