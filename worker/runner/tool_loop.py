@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from worker.errors import ToolError
 from worker.events.writer import ResponseWriter
 from worker.keys import journal_key, secrets_key
+from worker.outages import patiently
 from worker.outbound import OutboundPolicy
 from worker.protocol import tools
 from worker.routing import Routes
@@ -101,7 +102,7 @@ class ToolLoop:
 
     async def run(self, out: Output, turn: Turn) -> Outcome:
         await self._connect()
-        journal = await self.redis.hgetall(journal_key(self.response_id))
+        journal = await self._patiently(lambda: self.redis.hgetall(journal_key(self.response_id)))
         usage: dict[str, Any] | None = None
         for key, value in journal.items():
             entry = orjson.loads(value)
@@ -152,7 +153,7 @@ class ToolLoop:
     # --- steps ----------------------------------------------------------------------------------
 
     async def _connect(self) -> None:
-        stored = await self.redis.get(secrets_key(self.response_id))
+        stored = await self._patiently(lambda: self.redis.get(secrets_key(self.response_id)))
         secrets: dict[str, dict[str, str]] = orjson.loads(stored) if stored else {}
         for _, tool in tools.mcp_tools(self.request.get("tools") or []):
             label = str(tool["server_label"])
@@ -292,10 +293,18 @@ class ToolLoop:
     async def _keep(self, field: str, value: dict[str, Any]) -> None:
         """One entry of the journal (`keys.journal_key`), for as long as the event stream lives."""
         key = journal_key(self.response_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, field, orjson.dumps(value))
-            pipe.expire(key, self.journal_seconds)
-            await pipe.execute()
+
+        async def keep() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, field, orjson.dumps(value))
+                pipe.expire(key, self.journal_seconds)
+                await pipe.execute()
+
+        await self._patiently(keep)
+
+    async def _patiently[T](self, action: Callable[[], Awaitable[T]]) -> T:
+        """`action` on Redis, waiting out an outage as the response's appends do (their patience)."""
+        return await patiently(action, self.writer.patience, first_delay=0.1, max_delay=1.0)
 
     def _cite(self, text: str) -> list[dict[str, Any]]:
         """A `url_citation` for every place the text names a page a search found."""
