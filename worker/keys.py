@@ -57,6 +57,7 @@ def response_keys(response_id: str) -> list[str]:
         secrets_key(response_id),
         ticket_key(response_id),
         announce_key(response_id),
+        journal_key(response_id),
     ]
 
 

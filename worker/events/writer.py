@@ -56,8 +56,10 @@ class RedisOutlastedError(RedisConnectionError):
 class ResponseWriter:
     """Numbers one attempt's events and appends them under its lease.
 
-    An append that meets an unreachable Redis is retried for up to `patience` seconds (the lease's
-    time to live: past it the lease is gone and the append would be fenced anyway).
+    An append that meets an unreachable Redis is retried for up to `patience` seconds (an
+    attempt's: RESPOOL_REDIS_OUTAGE_SECONDS), then raises `RedisOutlastedError`. One fenced out
+    asks `reclaim` for its lease once (it may have lapsed during the outage) and goes again if it
+    got it.
 
     `send` does not wait: events sent while an append is in flight go together in the next one,
     their deltas merged (DESIGN.md §7, natural batching), so a fast upstream costs a round trip

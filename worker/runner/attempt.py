@@ -523,7 +523,10 @@ async def _finish(
         await writer.emit(
             [terminal_event(final)], final=True, retain_seconds=rt.stream_ttl_seconds, leaving=leaving
         )
-    except RedisOutlastedError as exc:  # recorded: the next holder tells the stream (`_end_as_stored`)
+    except Exception as exc:
+        if not is_redis_outage(exc):  # (the writer of one that outlasted its bound has no patience)
+            raise
+        # Recorded: once Redis is back, the next holder tells the stream (`_end_as_stored`).
         log.warning("response %s: its end is recorded, its stream not told (%s)", rid, exc)
         rt.held.pop(rid, None)
         _observe(rt.metrics, writer, str(final["status"]))
