@@ -1,7 +1,8 @@
-"""The README's update without a gap, for real: deploy/nginx.conf's proxy settings in front of
-`respool api` replicas on loopback, replaced one set at a time as README's procedure replaces
-compose's (start the new ones beside the old, wait until they are healthy, stop the old), with
-clients sending creates and reads through nginx the whole time: not one 502.
+"""deploy/nginx.conf's proxy settings in front of real `respool api` replicas on loopback. The
+README's update without a gap, for real: replicas replaced one set at a time as README's procedure
+replaces compose's (start the new ones beside the old, wait until they are healthy, stop the old),
+with clients sending creates and reads through nginx the whole time, and not one 502 from a lack of
+replicas. And the address the API's log names is the one nginx saw, whatever a client writes.
 
 Debian's nginx (1.22) has no `resolve` for an upstream's server, so the file's one `server api:8000
 resolve` becomes a line per replica address, every address the update uses at once: what nginx holds
@@ -207,6 +208,26 @@ def test_the_readme_rolling_update_sends_no_502(replicas: Replicas, tmp_path: Pa
     assert set(creates) <= {"POST 200", "POST 502"}, statuses
     assert creates.get("POST 502", 0) < ROUNDS / 2, statuses
     assert reads["GET 200"] > 100, statuses
+
+
+def test_a_client_cannot_forge_the_address_the_log_names(replicas: Replicas, tmp_path: Path) -> None:
+    """Through deploy/nginx.conf, an API that believes any peer's X-Forwarded-For (compose's "*")
+    logs the address nginx saw, not the one a client wrote in its own X-Forwarded-For."""
+    replicas.stack.env["RESPOOL_FORWARDED_ALLOW_IPS"] = "*"
+    port = replicas.ports[0]
+    replicas.start(port)
+    replicas.wait_healthy(port)
+    forged = "203.0.113.7"
+    with nginx(tmp_path / "nginx", free_port(), [port]) as url:
+        assert httpx.get(url + "/v1/models", headers={"x-forwarded-for": forged}).status_code == 200
+    log = replicas.stack.logs / f"api-{port}.log"
+    line = wait_for(
+        lambda: next((line for line in log.read_text().splitlines() if "GET /v1/models" in line), None),
+        timeout=10,
+        what="the access-log line",
+    )
+    assert forged not in line
+    assert '127.0.0.1:0 - "GET /v1/models' in line
 
 
 if __name__ == "__main__":  # a measurement by hand: python -m tests.deploy.test_rolling_update
