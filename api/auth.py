@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import re
 
@@ -95,6 +96,30 @@ class Keys:
         if owner is None:
             raise AuthenticationError("Incorrect API key provided.")
         return owner
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach an API bound to `host` (a name other than `localhost`
+    could resolve to anything, so it counts as reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_api_refusal(settings: Settings) -> str | None:
+    """Why the API must not start, or None: with no keys it serves anyone who reaches it, which
+    off loopback needs `RESPOOL_ALLOW_NO_AUTH=true`, so that losing the keys on an upgrade (a file
+    not read, a variable not passed) never opens a published port by itself."""
+    if Keys(settings).is_open and not settings.allow_no_auth and not is_loopback(settings.host):
+        return (
+            f"respool: refusing to serve {settings.host}:{settings.port} without authentication: "
+            "RESPOOL_API_KEYS is not set. Set it (keys can be given as digests: `respool hash-key`), "
+            "or set RESPOOL_ALLOW_NO_AUTH=true to let anyone who can reach this address use the API."
+        )
+    return None
 
 
 async def owner(request: Request) -> str:

@@ -92,6 +92,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(hash_key())
     settings = _settings(args)
     logs.configure(settings.log_format, settings.log_level)
+    if args.command in ("up", "api"):
+        with frozen_imports():
+            from api.auth import open_api_refusal
+
+        refusal = open_api_refusal(settings)
+        if refusal:
+            sys.exit(refusal)
     if args.command == "up":
         sys.exit(up(settings))
     if args.command == "bench":

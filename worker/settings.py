@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     api_keys: SecretStr | None = Field(
         default=None, description='"key1:tenant-a,key2:tenant-b"; unset means no auth'
     )
+    # Without keys the API serves anyone who reaches it: on loopback that is the laptop's own user,
+    # anywhere else it must be the operator's explicit choice (api/auth.py, `open_api_refusal`).
+    allow_no_auth: bool = False
     # Outages (issue 4): how long the API gives an unreachable Redis or Postgres before it answers
     # 503, and the `retry-after` it sends with it (the SDK honours up to 120 s, PROTOCOL.md §5.5).
     redis_timeout_seconds: float = Field(default=5.0, gt=0)

@@ -140,7 +140,11 @@ def test_compose_api_replicas_sit_behind_one_port() -> None:
     assert services["proxy"]["ports"] == ["8000:8000"]
     assert services["proxy"]["depends_on"]["api"]["condition"] == "service_healthy"
     nginx = (ROOT / "deploy" / "nginx.conf").read_text()
-    for directive in ("server api:8000 resolve;", "proxy_buffering off;", "proxy_http_version 1.1;"):
+    for directive in (
+        "server api:8000 resolve max_fails=0;",
+        "proxy_buffering off;",
+        "proxy_http_version 1.1;",
+    ):
         assert directive in nginx
 
 
@@ -353,7 +357,7 @@ def test_the_api_believes_its_proxy() -> None:
     assert _compose()["services"]["api"]["environment"]["RESPOOL_FORWARDED_ALLOW_IPS"] == "*"
     assert _kubernetes()["ConfigMap", "respool"]["data"]["RESPOOL_FORWARDED_ALLOW_IPS"] == "*"
     nginx = (ROOT / "deploy" / "nginx.conf").read_text()
-    assert "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;" in nginx
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx
 
 
 def test_nginx_gives_up_on_a_silent_replica_quickly() -> None:
@@ -394,3 +398,89 @@ def test_long_running_services_restart_and_the_readme_says_what_restarts_them() 
     readme = (ROOT / "README.md").read_text()
     for words in ("docker kill", "Compose v2", "--no-recreate --scale api=4"):
         assert words in readme, words
+
+
+# --- no silent insecurity: settings from the shell, the forwarded address, the rolling update --------
+
+# What the compose file before respool.env passed from the shell or .env, and the permission to serve
+# without keys: each must reach respool from there still.
+SHELL_SETTINGS = {
+    "RESPOOL_API_KEYS",
+    "RESPOOL_ALLOW_NO_AUTH",
+    "RESPOOL_UPSTREAM_URL",
+    "RESPOOL_UPSTREAM_API",
+    "RESPOOL_UPSTREAM_API_KEY",
+}
+
+
+def _from_shell(environment: dict[str, Any]) -> dict[str, str]:
+    """The settings a service takes from the shell or .env, by name: its FROM_SHELL_* entries."""
+    return {
+        name.removeprefix("FROM_SHELL_"): value
+        for name, value in environment.items()
+        if name.startswith("FROM_SHELL_")
+    }
+
+
+def test_settings_from_the_shell_reach_respool_through_the_entrypoint() -> None:
+    """Every respool container runs deploy/compose-entrypoint.sh, mounted from the repository; each
+    FROM_SHELL_<name> it reads is `${<name>:-}`, a setting; the keys reach the API, the upstream's
+    key the workers only, and nothing the previous file passed is lost."""
+    compose = _compose()
+    services = compose["services"]
+    assert compose["configs"]["compose-entrypoint"]["file"] == "./deploy/compose-entrypoint.sh"
+    known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
+    passed: dict[str, set[str]] = {}
+    for name in RESPOOL_SERVICES:
+        service = services[name]
+        target = "/etc/respool/compose-entrypoint.sh"
+        assert {"source": "compose-entrypoint", "target": target} in service["configs"], name
+        assert service["entrypoint"] == ["/bin/sh", target], name
+        for setting, value in _from_shell(service["environment"]).items():
+            assert setting in known, setting
+            assert value == f"${{{setting}:-}}", setting
+            passed.setdefault(setting, set()).add(name)
+    assert set(passed) == SHELL_SETTINGS
+    assert passed["RESPOOL_API_KEYS"] == passed["RESPOOL_ALLOW_NO_AUTH"] == {"api"}
+    assert passed["RESPOOL_UPSTREAM_API_KEY"] == {"worker"}
+    script = (ROOT / "deploy" / "compose-entrypoint.sh").read_text()
+    assert 'exec respool "$@"' in script and "FROM_SHELL_" in script
+
+
+def test_the_compose_api_serves_without_keys_only_when_told() -> None:
+    """The compose API listens on every interface, so without keys respool refuses to start it
+    (tests/deploy/test_no_auth.py) unless RESPOOL_ALLOW_NO_AUTH=true, which the file never sets
+    itself; the README says how to say it."""
+    services = _compose()["services"]
+    command = services["api"]["command"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    for name in RESPOOL_SERVICES:
+        assert "RESPOOL_ALLOW_NO_AUTH" not in services[name]["environment"], name
+    for resource in _env_sources():
+        assert "RESPOOL_ALLOW_NO_AUTH" not in (resource.get("data") or {}), resource["metadata"]["name"]
+    assert "RESPOOL_ALLOW_NO_AUTH=true docker compose up -d" in (ROOT / "README.md").read_text()
+
+
+def test_nginx_forwards_the_address_it_saw() -> None:
+    """nginx sets X-Forwarded-For to its peer's address, never appending to the client's own header,
+    which the API (trusting "*") would otherwise take the client's word for."""
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert re.findall(r"proxy_set_header X-Forwarded-For (\S+);", nginx) == ["$remote_addr"]
+    assert "$proxy_add_x_forwarded_for" not in nginx
+
+
+def test_rolling_update_settings_are_what_the_docs_say() -> None:
+    """nginx never benches a replica (max_fails=0: one tried before it listened would be skipped for
+    fail_timeout, and the update's old ones could stop meanwhile), moves on after 2 s to another only
+    when the request never reached one, re-reads the replicas every 10 s; the proxy starts once the API
+    is healthy; docs/deployment.md and the README give the same figures and the wait."""
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert re.findall(r"^\s*server api:8000 (.*);$", nginx, re.MULTILINE) == ["resolve max_fails=0"]
+    assert re.findall(r"proxy_next_upstream (.*);", nginx) == ["error timeout"]
+    assert "proxy_connect_timeout 2s;" in nginx
+    assert "resolver 127.0.0.11 valid=10s ipv6=off;" in nginx
+    assert _compose()["services"]["proxy"]["depends_on"]["api"]["condition"] == "service_healthy"
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    for words in ("max_fails=0", "proxy_next_upstream error timeout", "valid=10s", "sleep 10"):
+        assert words in docs, words
+    assert "sleep 10" in (ROOT / "README.md").read_text()

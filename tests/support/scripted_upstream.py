@@ -516,15 +516,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Scripted upstream LLM server for tests.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    # Served over TLS with this certificate and key (PEM files) when given: an https:// upstream.
+    parser.add_argument("--certfile")
+    parser.add_argument("--keyfile")
     args = parser.parse_args(argv)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").addFilter(lambda record: record.getMessage() != DROP_LOG_MESSAGE)
-    print(f"LISTENING http://{host}:{port}", flush=True)
+    print(f"LISTENING {'https' if args.certfile else 'http'}://{host}:{port}", flush=True)
     state = UpstreamState()
     # The graceful timeout only bounds non-streamed answers still sleeping through their delays.
     config = uvicorn.Config(
-        create_app(state), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+        create_app(state),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=1,
+        ssl_certfile=args.certfile,
+        ssl_keyfile=args.keyfile,
     )
     with contextlib.suppress(KeyboardInterrupt):
         UpstreamServer(config, state).run(sockets=[sock])

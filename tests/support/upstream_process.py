@@ -8,6 +8,7 @@ subprocess, reads its `LISTENING <url>` line, and wraps the control routes (`/_s
 from __future__ import annotations
 
 import select
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Self, cast
 
 import httpx
 
+from tests.support.tls import TlsFiles
 from tests.support.upstream_frames import Json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,21 +55,27 @@ def stop_child(process: subprocess.Popen[str]) -> None:
 class ScriptedUpstream:
     """Starts the server as a subprocess; .url is "http://127.0.0.1:<port>/v1"."""
 
-    def __init__(self, process: subprocess.Popen[str], base_url: str) -> None:
+    def __init__(self, process: subprocess.Popen[str], base_url: str, ca: Path | None = None) -> None:
         self.process = process
         self.base_url = base_url
         self.url = f"{base_url}/v1"
         # A connection a call each: a kept-alive one can be closed by the server's idle timeout just
         # as the next call goes out on it ("Server disconnected without sending a response").
         self.client = httpx.Client(
-            base_url=base_url, timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0)
+            base_url=base_url,
+            timeout=10.0,
+            limits=httpx.Limits(max_keepalive_connections=0),
+            verify=ssl.create_default_context(cafile=ca) if ca else True,
         )
 
     @classmethod
-    def start(cls) -> ScriptedUpstream:
+    def start(cls, tls: TlsFiles | None = None) -> ScriptedUpstream:
+        """The upstream as a process of its own; over TLS with `tls`'s certificate when given."""
         command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", "0"]
+        if tls is not None:
+            command += ["--certfile", str(tls.certificate), "--keyfile", str(tls.key)]
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-        return cls(process, read_listening_url(process, START_DEADLINE_SECONDS))
+        return cls(process, read_listening_url(process, START_DEADLINE_SECONDS), tls.ca if tls else None)
 
     def stop(self) -> None:
         self.client.close()

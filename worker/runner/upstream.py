@@ -17,6 +17,7 @@ Rules:
 - every request is JSON with `content-type: application/json` (FastAPI-based servers, such as
   llama-cpp-python's, read no body as JSON without it) and asks for `text/event-stream`
 - a connection error, a timeout (a stall included), HTTP 408, 429 or 5xx => `TransientUpstreamError`
+- a TLS certificate the worker cannot verify => `UpstreamError`, naming SSL_CERT_FILE / SSL_CERT_DIR
 - a stream that ends (at EOF, or at `data: [DONE]`) without the payload that properly ends its kind
   of stream (`StreamKind`: a chat `finish_reason`, a Responses terminal event) => `TransientUpstreamError`:
   llama-cpp-python answers 200 with an empty stream when it fails inside
@@ -666,7 +667,10 @@ def _map_httpx_error(exc: httpx2.HTTPError, url: httpx2.URL, timeout: httpx2.Tim
     cause = exc.__cause__
     if isinstance(cause, aiohttp.ClientError) and not isinstance(cause, aiohttp.ServerTimeoutError):
         # httpx-aiohttp maps every aiohttp connection fault to httpx's ConnectTimeout (an upstream
-        # that hung up, a refused connection): said as aiohttp says it. All of them are transient.
+        # that hung up, a refused connection): said as aiohttp says it. All of them are transient,
+        # but for a certificate this worker cannot verify: no later attempt trusts it either.
+        if isinstance(cause, aiohttp.ClientConnectorCertificateError):
+            return _untrusted(where, cause.certificate_error)
         if isinstance(cause, aiohttp.ClientConnectorError):
             return TransientUpstreamError(f"could not connect to {where}: {_describe(cause)}")
         if isinstance(cause, aiohttp.ClientPayloadError):
@@ -682,6 +686,18 @@ def _map_httpx_error(exc: httpx2.HTTPError, url: httpx2.URL, timeout: httpx2.Tim
     if isinstance(exc, _TRANSIENT_FAULTS):
         return TransientUpstreamError(f"{where} failed: {_describe(exc)}")
     return UpstreamError(f"{where} failed: {_describe(exc)}")
+
+
+def _untrusted(where: str, error: Exception) -> UpstreamError:
+    """The final error of a TLS certificate the worker could not verify, naming the variables that
+    say which CAs it trusts (httpcore2's `default_ssl_context`: SSL_CERT_FILE, else SSL_CERT_DIR,
+    else the system's store)."""
+    reason = getattr(error, "verify_message", "") or _describe(error)
+    return UpstreamError(
+        f"could not verify the TLS certificate of {where} ({reason}): the worker trusts the CAs of "
+        "SSL_CERT_FILE (a PEM bundle, which replaces the system's store), else of SSL_CERT_DIR, else "
+        "the system's; give the worker a bundle that holds the upstream's CA"
+    )
 
 
 def _seconds(value: float | None) -> str:
