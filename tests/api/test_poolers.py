@@ -187,6 +187,46 @@ def test_cancel_and_delete_run_concurrently(sdk: openai.OpenAI) -> None:
             sdk.responses.retrieve(response.id)
 
 
+@pytest.fixture(scope="module")
+def unaware(
+    backing: Servers, bouncer: PgBouncer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """An API on the same PgBouncer that is not told of it (RESPOOL_DATABASE_POOLER left `none`):
+    it prepares its hot statements, which the pooler loses between server connections."""
+    env = _env(backing, RESPOOL_DATABASE_URL=bouncer.url, RESPOOL_DATABASE_POOLER="none")
+    stack = Stack(env, tmp_path_factory.mktemp("unaware-logs"))
+    stack.start_api()
+    yield stack
+    stack.stop_all()
+
+
+def status_of(call: Callable[[], object]) -> tuple[int, str | None]:
+    """The HTTP status `call` was answered with, and its `retry-after`."""
+    try:
+        call()
+    except openai.APIStatusError as error:
+        return error.status_code, error.response.headers.get("retry-after")
+    return 200, None
+
+
+def test_a_pooler_left_unsaid_is_a_503_never_a_500(unaware: Stack) -> None:
+    """Behind a transaction pooler the settings do not name, what the pooler breaks (a prepared
+    statement missing, or there already) is answered 503 with `retry-after`, never 500."""
+    with make_sdk(unaware.url, "any").with_options(timeout=CLIENT_TIMEOUT) as client:
+        answers = at_once(
+            [
+                lambda n=n: status_of(
+                    lambda: client.responses.create(model="synthetic", input=f"u{n}", background=True)
+                )
+                for n in range(50)
+            ]
+        )
+    statuses = {status for status, _ in answers}
+    assert statuses <= {200, 503}, answers
+    assert 503 in statuses  # the pooler did break some: else this shows nothing
+    assert all(retry_after is not None for status, retry_after in answers if status == 503)
+
+
 def test_no_request_was_answered_500(pooled: Stack) -> None:
     """Nothing the module sent through the pooler met a server error: the API logged none."""
     assert " 500 " not in pooled.log("api") and "Traceback" not in pooled.log("api")
