@@ -309,10 +309,11 @@ async def run(conn: Connection, statement: Statement, parameters: Mapping[str, A
     if state is None:
         state = _states[pgconn] = _Libpq(pgconn)
     values = [_text(parameters[name]) for name in statement.parameters]
-    deadline = conn.deadline_seconds
+    # Any psycopg connection serves: one that `connect` did not make has no deadline, and prepares.
+    deadline: float | None = getattr(conn, "deadline_seconds", None)
     until = None if deadline is None else asyncio.get_running_loop().time() + deadline
     try:
-        if not conn.is_preparing:  # the unnamed statement: parsed and planned each time
+        if not getattr(conn, "is_preparing", True):  # the unnamed statement: parsed and planned each time
             pgconn.send_query_params(statement.sql, values)
             return await _result(state, until)
         if statement.name not in state.prepared:
@@ -323,7 +324,7 @@ async def run(conn: Connection, statement: Statement, parameters: Mapping[str, A
         return await _result(state, until)
     except TimeoutError:
         conn.discard()
-        raise StatementTimeoutError(f"Postgres did not answer within {conn.deadline_seconds:g} s") from None
+        raise StatementTimeoutError(f"Postgres did not answer within {deadline:g} s") from None
 
 
 def _text(value: Any) -> bytes | None:
