@@ -258,7 +258,7 @@ class _Libpq:
 
     async def wait(self, until: float | None) -> None:
         """Until the socket is readable; TimeoutError at loop time `until`, if it is not by then (a
-        timer, not `asyncio.timeout`: the latter cost 3 µs of CPU a statement, a timer under 1)."""
+        timer, not `asyncio.timeout`, which costs several times its CPU: docs/postgres.md)."""
         loop = asyncio.get_running_loop()
         if self.loop is not loop:  # its first wait (or one on another loop: the old watch goes)
             self.unwatch()
