@@ -149,7 +149,12 @@ def show_deliveries(settings: Settings, response_id: str) -> int:
     from worker.postgres import deliveries, store
 
     async def read() -> list[dict[str, Any]]:
-        engine = store.create_engine(settings.database_url, connections=2)
+        engine = store.create_engine(
+            settings.database_url,
+            connections=2,
+            deadline_seconds=settings.database_timeout_seconds,
+            is_preparing=settings.database_pooler != "transaction",
+        )
         try:
             async with engine.connect() as conn:
                 return await deliveries.of_response(conn, response_id)

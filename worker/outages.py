@@ -1,7 +1,8 @@
 """Backing servers' outages, in one vocabulary: is this error Redis or Postgres being unreachable?
 
 An outage is a server unreachable, hung, still loading its data, restarting, out of free connections,
-or (Redis) a read-only replica after a failover. Any other error of theirs (a misconfiguration such
+(Redis) a read-only replica after a failover, or (Postgres) a transaction pooler losing a prepared
+statement between server connections (docs/postgres.md: `RESPOOL_DATABASE_POOLER`). Any other error of theirs (a misconfiguration such
 as a wrong password, a bug) is not one, and passes through as itself. What respool does about an
 outage, in two places only:
 - inside the core, where waiting helps, an action is tried again with backoff (`patiently`,
@@ -37,7 +38,12 @@ OUTAGE_CLASSES: tuple[type[Exception], ...] = (
     PoolTimeoutError,
     psycopg.OperationalError,
     psycopg.InterfaceError,
+    psycopg.errors.InvalidSqlStatementName,
+    psycopg.errors.DuplicatePreparedStatement,
 )
+# A prepared statement not on the server connection a transaction pooler chose, or already there
+# (another client's): a pooler's doing, which a retry may well escape, never a respool bug.
+_POOLER_ERRORS = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
 
 
 def is_redis_outage(exc: BaseException) -> bool:
@@ -49,8 +55,10 @@ def is_redis_outage(exc: BaseException) -> bool:
 
 def is_postgres_outage(exc: BaseException) -> bool:
     """Down, restarting, or no pooled connection free in time (connects hanging, or overload),
-    said by SQLAlchemy or, on the direct pool, by psycopg."""
+    said by SQLAlchemy or, on the direct pool, by psycopg; or a transaction pooler's lost statement."""
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return True
+    if isinstance(exc, _POOLER_ERRORS) or isinstance(getattr(exc, "orig", None), _POOLER_ERRORS):
         return True
     return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated

@@ -44,6 +44,15 @@ class Settings(BaseSettings):
     # opened (store.create_engine). Postgres' max_connections must cover their sum. Half are for
     # single statements on psycopg directly, half for transactions (worker/postgres/direct.py).
     database_connections: int = Field(default=20, ge=2)
+    # The pooler between respool and Postgres (docs/postgres.md): "transaction" (PgBouncer's
+    # `pool_mode = transaction`, Supavisor's transaction mode, RDS Proxy, Neon's pooled endpoint)
+    # prepares no statement, as the next transaction may run on another server connection; "none"
+    # and "session" prepare the hot statements once a connection (half Postgres's CPU for them).
+    database_pooler: Literal["none", "session", "transaction"] = "none"
+    # The longest a statement (a commit, a connection's checkout) waits for Postgres, client-side: a
+    # stopped server, or one whose host went silent, answers nothing and its `statement_timeout`
+    # never fires. The API answers 503 past it; a worker tries again (`database_wait_seconds`).
+    database_timeout_seconds: float = Field(default=10.0, gt=0)
     retry_after_seconds: int = Field(default=2, ge=1, le=120)
     # How long Redis may be unreachable (a restart, a managed failover) before the responses that
     # need it give up: a worker keeps generating and holds what it cannot append, an open stream

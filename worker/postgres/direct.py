@@ -13,6 +13,13 @@ fails raises at once, so the API answers 503 and the worker retries `patiently`;
 getconn waits out its timeout while a background task reconnects. As the engine does, a checkout
 does not ping first: after a Postgres restart the first statement on a broken connection fails as
 unreachable, and every idle connection is dropped with it (the engine "invalidates" its pool).
+
+Every wait on Postgres has a deadline of the client's own (`Connection`): a server that is stopped
+or whose host went silent answers nothing, and its `statement_timeout` never fires. A statement past
+its deadline closes its connection (it may be mid-protocol) and raises `StatementTimeoutError`, an
+outage. Behind a transaction pooler (`RESPOOL_DATABASE_POOLER=transaction`, docs/postgres.md) no
+statement is prepared: a prepared statement lives on one server connection, and the pooler hands the
+next transaction another.
 """
 
 from __future__ import annotations
@@ -27,15 +34,65 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg import pq
-from psycopg.errors import error_from_result
+from psycopg.abc import PQGen
+from psycopg.errors import _WaitTimeout, error_from_result
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from sqlalchemy.engine import make_url
 
-type Connection = psycopg.AsyncConnection[Any]
+# How often psycopg's own waits look at the socket again (its default).
+_WAIT_INTERVAL = 0.1
 
 
 class PoolTimeoutError(psycopg.OperationalError):
     """No connection came free in time: every one is busy (overload) or hangs."""
+
+
+class StatementTimeoutError(psycopg.OperationalError):
+    """Postgres answered nothing within the client's deadline: stopped, its host silent, or far
+    behind. The connection is closed (it may be mid-protocol); the statement may have run."""
+
+
+class Connection(psycopg.AsyncConnection[Any]):
+    """psycopg's async connection, each wait on Postgres (a statement, a commit) bounded by
+    `deadline_seconds`, and whether the hot statements are prepared on it (`is_preparing`)."""
+
+    deadline_seconds: float | None = None
+    is_preparing: bool = True
+
+    async def wait[RV](
+        self,
+        gen: PQGen[RV],
+        interval: float = _WAIT_INTERVAL,
+        timeout: float | None = None,  # noqa: ASYNC109  # psycopg's signature, overridden
+    ) -> RV:
+        deadline = self.deadline_seconds
+        if deadline is None or (timeout is not None and timeout <= deadline):
+            return await super().wait(gen, interval, timeout)
+        # psycopg's own timeout, not a cancellation: a cancelled wait asks the server to cancel the
+        # statement and waits for its answer, twice 5 s more from a server that answers nothing.
+        try:
+            return await super().wait(gen, interval, deadline)
+        except _WaitTimeout:
+            self.discard()
+            raise StatementTimeoutError(f"Postgres did not answer within {deadline:g} s") from None
+
+    def discard(self) -> None:
+        """Close the connection at once, without a word to the server (it may not answer)."""
+        state = _states.pop(self.pgconn, None)
+        if state is not None:
+            state.unwatch()
+        self.pgconn.finish()
+
+
+async def connect(
+    conninfo: str = "", *, deadline_seconds: float | None = None, is_preparing: bool = True, **kwargs: Any
+) -> Connection:
+    """A `Connection` to `conninfo` and `kwargs` (psycopg's connect's, as SQLAlchemy passes them);
+    psycopg prepares none of its statements unless `is_preparing` (it prepares a query run 5 times
+    on a connection, as respool's hot statements are)."""
+    conn = await Connection.connect(conninfo, prepare_threshold=5 if is_preparing else None, **kwargs)
+    conn.deadline_seconds, conn.is_preparing = deadline_seconds, is_preparing
+    return conn
 
 
 class DirectPool:
@@ -48,10 +105,14 @@ class DirectPool:
         *,
         connect_timeout_seconds: int = 5,
         wait_seconds: float = 30.0,
+        deadline_seconds: float | None = None,
+        is_preparing: bool = True,
     ) -> None:
         self._conninfo = driver_url(database_url)
         self._connect_timeout = connect_timeout_seconds
         self._wait_seconds = wait_seconds
+        self._deadline_seconds = deadline_seconds
+        self._is_preparing = is_preparing
         self._free = asyncio.Semaphore(connections)
         self._idle: list[Connection] = []
         self._closed = False
@@ -86,9 +147,22 @@ class DirectPool:
         self._closed = True
         await self._drop_idle()
 
+    async def ping(self, seconds: float) -> None:
+        """Raise an outage unless Postgres answers a statement within `seconds` (`/readyz`), a
+        connect included."""
+        try:
+            async with asyncio.timeout(seconds), self.connection() as conn:
+                await run(conn, _PING, {})
+        except TimeoutError:
+            raise StatementTimeoutError(f"Postgres did not answer within {seconds:g} s") from None
+
     async def _connect(self) -> Connection:
-        conn = await psycopg.AsyncConnection.connect(
-            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout
+        conn = await connect(
+            self._conninfo,
+            deadline_seconds=self._deadline_seconds,
+            is_preparing=self._is_preparing,
+            autocommit=True,
+            connect_timeout=self._connect_timeout,
         )
         # JSON through orjson, as the engine's connections (store.create_engine).
         set_json_loads(orjson.loads, conn)
@@ -182,18 +256,27 @@ class _Libpq:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.waiter: asyncio.Future[None] | None = None
 
-    async def wait(self) -> None:
-        """Until the socket is readable."""
+    async def wait(self, until: float | None) -> None:
+        """Until the socket is readable; TimeoutError at loop time `until`, if it is not by then (a
+        timer, not `asyncio.timeout`, which costs several times its CPU: docs/postgres.md)."""
         loop = asyncio.get_running_loop()
         if self.loop is not loop:  # its first wait (or one on another loop: the old watch goes)
             self.unwatch()
             self.fd, self.loop = self.pgconn.socket, loop
         waiter = self.waiter = loop.create_future()
         loop.add_reader(self.fd, self._readable)
+        timer = None if until is None else loop.call_at(until, self._expire)
         try:
             await waiter
         finally:
             self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(TimeoutError())
 
     def _readable(self) -> None:
         waiter = self.waiter
@@ -214,6 +297,7 @@ class _Libpq:
 
 
 _states: weakref.WeakKeyDictionary[pq.abc.PGconn, _Libpq] = weakref.WeakKeyDictionary()
+_PING = Statement("ping", "SELECT 1")
 
 
 async def run(conn: Connection, statement: Statement, parameters: Mapping[str, Any]) -> pq.abc.PGresult:
@@ -224,12 +308,23 @@ async def run(conn: Connection, statement: Statement, parameters: Mapping[str, A
     state = _states.get(pgconn)
     if state is None:
         state = _states[pgconn] = _Libpq(pgconn)
-    if statement.name not in state.prepared:
-        pgconn.send_prepare(statement.name, statement.sql)
-        await _result(state)
-        state.prepared.add(statement.name)
-    pgconn.send_query_prepared(statement.name, [_text(parameters[name]) for name in statement.parameters])
-    return await _result(state)
+    values = [_text(parameters[name]) for name in statement.parameters]
+    # Any psycopg connection serves: one that `connect` did not make has no deadline, and prepares.
+    deadline: float | None = getattr(conn, "deadline_seconds", None)
+    until = None if deadline is None else asyncio.get_running_loop().time() + deadline
+    try:
+        if not getattr(conn, "is_preparing", True):  # the unnamed statement: parsed and planned each time
+            pgconn.send_query_params(statement.sql, values)
+            return await _result(state, until)
+        if statement.name not in state.prepared:
+            pgconn.send_prepare(statement.name, statement.sql)
+            await _result(state, until)
+            state.prepared.add(statement.name)
+        pgconn.send_query_prepared(statement.name, values)
+        return await _result(state, until)
+    except TimeoutError:
+        conn.discard()
+        raise StatementTimeoutError(f"Postgres did not answer within {deadline:g} s") from None
 
 
 def _text(value: Any) -> bytes | None:
@@ -247,15 +342,17 @@ def _text(value: Any) -> bytes | None:
     raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
 
 
-async def _result(state: _Libpq) -> pq.abc.PGresult:
-    """The result of the statement just sent (its rest flushed first), once all of it has come."""
+async def _result(state: _Libpq, until: float | None) -> pq.abc.PGresult:
+    """The result of the statement just sent (its rest flushed first), once all of it has come;
+    TimeoutError if it has not by loop time `until`."""
     pgconn = state.pgconn
     while pgconn.flush():  # non-blocking: what the socket did not take waits for it to drain
-        await _writable(pgconn.socket)
+        async with asyncio.timeout_at(until):
+            await _writable(pgconn.socket)
     result = None
     while True:
         while pgconn.is_busy():
-            await state.wait()
+            await state.wait(until)
             pgconn.consume_input()
         got = pgconn.get_result()
         if got is None:

@@ -30,25 +30,24 @@ def alembic_config(database_url: str) -> Config:
 
 def migrate(database_url: str, wait_seconds: float = 0.0) -> None:
     """Bring the schema to the newest revision, waiting up to `wait_seconds` for Postgres to be
-    reachable (a container started beside a database still starting up: compose's first start)."""
-    engine = create_engine(async_url(database_url))
-    with patiently_sync(engine.connect, wait_seconds) as conn:
-        conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": LOCK_ID})
-        conn.commit()
-        try:
-            before = _revision(conn)
-            config = alembic_config(database_url)
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-            conn.commit()
-            after = _revision(conn)
-            if before == after:
-                log.info("the database schema is up to date (revision %s)", after)
-            else:
-                log.info("migrated the database schema from revision %s to %s", before or "(none)", after)
-        finally:
-            conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": LOCK_ID})
-            conn.commit()
+    reachable (a container started beside a database still starting up: compose's first start).
+
+    The migrations, the lock that has concurrent runs take turns and the revision read run in one
+    transaction, the lock a transaction's own (`pg_advisory_xact_lock`): behind a transaction
+    pooler a session's lock would be taken and given back on server connections of its choosing.
+    No statement is prepared, for the same reason (psycopg prepares a query run 5 times)."""
+    engine = create_engine(async_url(database_url), connect_args={"prepare_threshold": None})
+    with patiently_sync(engine.connect, wait_seconds) as conn, conn.begin():
+        conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": LOCK_ID})
+        before = _revision(conn)
+        config = alembic_config(database_url)
+        config.attributes["connection"] = conn
+        command.upgrade(config, "head")
+        after = _revision(conn)
+    if before == after:
+        log.info("the database schema is up to date (revision %s)", after)
+    else:
+        log.info("migrated the database schema from revision %s to %s", before or "(none)", after)
     engine.dispose()
 
 

@@ -19,9 +19,17 @@ from worker.postgres import direct
 from worker.postgres.models import LIVE_STATUSES, ConversationItemRow, InputItemRow, ResponseRow
 from worker.protocol.request import CreateRequest
 from worker.protocol.response import LIVE, Status
+from worker.settings import Settings
 
 
-def create_engine(database_url: str, connections: int, connect_timeout_seconds: int = 5) -> AsyncEngine:
+def create_engine(
+    database_url: str,
+    connections: int,
+    connect_timeout_seconds: int = 5,
+    *,
+    deadline_seconds: float | None = None,
+    is_preparing: bool = True,
+) -> AsyncEngine:
     """An async engine on psycopg 3 for `database_url` (a `postgresql://` URL is given the driver),
     holding up to `connections`, each kept once opened: a pool that opened more than it kept
     ("overflow") closed them again after a burst, and each one the next burst opened cost Postgres
@@ -30,27 +38,50 @@ def create_engine(database_url: str, connections: int, connect_timeout_seconds: 
     A checkout does not ping first (that was a round trip before every statement): after a Postgres
     restart, the first statement on a broken connection fails as unreachable, which invalidates
     every connection the pool holds, and callers retry (the worker) or answer 503 (the API). A
-    connect gives up after `connect_timeout_seconds`. JSON goes through orjson.
+    connect gives up after `connect_timeout_seconds`, a statement after `deadline_seconds`, and so
+    does a checkout that waits for a connection to come free. JSON goes through orjson. Its
+    connections are `direct.Connection`s: `is_preparing` as there.
     """
     return create_async_engine(
         async_url(database_url),
         pool_size=connections,
         max_overflow=0,
-        connect_args={"connect_timeout": connect_timeout_seconds},
+        pool_timeout=30.0 if deadline_seconds is None else deadline_seconds,
+        connect_args={
+            "async_creator_fn": direct.connect,
+            "connect_timeout": connect_timeout_seconds,
+            "deadline_seconds": deadline_seconds,
+            "is_preparing": is_preparing,
+        },
         json_serializer=_dumps,
         json_deserializer=orjson.loads,
     )
 
 
-def open_pools(
-    database_url: str, connections: int, connect_timeout_seconds: int = 5
-) -> tuple[AsyncEngine, direct.DirectPool]:
-    """A process's two ways to Postgres, its `connections` split between them (`direct.shares`):
-    the engine, for transactions, and the direct pool, for the hot single statements."""
-    for_engine, for_direct = direct.shares(connections)
+def open_pools(settings: Settings) -> tuple[AsyncEngine, direct.DirectPool]:
+    """A process's two ways to Postgres, its connections (`database_connections`) split between
+    them (`direct.shares`): the engine, for transactions, and the direct pool, for the hot single
+    statements; each statement bounded by `database_timeout_seconds`, none prepared behind a
+    transaction pooler (`database_pooler`)."""
+    for_engine, for_direct = direct.shares(settings.database_connections)
+    connect_timeout, deadline = settings.database_connect_timeout_seconds, settings.database_timeout_seconds
+    is_preparing = settings.database_pooler != "transaction"
     return (
-        create_engine(database_url, for_engine, connect_timeout_seconds),
-        direct.DirectPool(database_url, for_direct, connect_timeout_seconds=connect_timeout_seconds),
+        create_engine(
+            settings.database_url,
+            for_engine,
+            connect_timeout,
+            deadline_seconds=deadline,
+            is_preparing=is_preparing,
+        ),
+        direct.DirectPool(
+            settings.database_url,
+            for_direct,
+            connect_timeout_seconds=connect_timeout,
+            wait_seconds=deadline,
+            deadline_seconds=deadline,
+            is_preparing=is_preparing,
+        ),
     )
 
 

@@ -150,7 +150,7 @@ async def open_runtime(settings: Settings, holder: str, concurrency: int) -> Run
     routes = load_routes(settings)
     # The deliveries' queue only builds RQ's commands on this client; they go out on `redis`.
     deliveries = delivery_queue(sync_client(settings.redis_url), settings.queue)
-    engine, direct = store.open_pools(settings.database_url, settings.database_connections)
+    engine, direct = store.open_pools(settings)
     return Runtime(
         notifier=Notifier(routes.webhooks, redis, deliveries),
         engine=engine,

@@ -19,7 +19,6 @@ import orjson
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import logs, token_count
@@ -64,6 +63,10 @@ from worker.translation import chat_request, native
 from worker.webhooks import Notifier
 
 log = logging.getLogger("respool.service")
+
+# How long `/readyz` gives Postgres to answer (a connect included): its answer, a 503 if Postgres
+# hangs, is out within 2 s, a probe's usual timeout.
+READY_SECONDS = 1.5
 
 # What `POST /responses/compact` takes of its body (the SDK's `ResponseCompactParams` that matter here).
 _COMPACT_PARAMS = ("model", "input", "instructions", "previous_response_id")
@@ -119,12 +122,11 @@ class ResponseService:
         self.http = httpx2.AsyncClient(trust_env=False)  # to upstreams' tokenizers
         self.quotas = Quotas(redis, settings)
         self._sealer: Sealer | None = None
+        self._taking_back: set[asyncio.Task[bool]] = set()  # rows an insert's outage left behind
 
     @classmethod
     def open(cls, settings: Settings) -> ResponseService:
-        engine, direct = store.open_pools(
-            settings.database_url, settings.database_connections, settings.database_connect_timeout_seconds
-        )
+        engine, direct = store.open_pools(settings)
         timeout = settings.redis_timeout_seconds
         redis = connect(settings.redis_url, max_connections=256, timeout_seconds=timeout)
         sync_redis = sync_client(settings.redis_url, timeout)
@@ -269,8 +271,11 @@ class ResponseService:
                 await self.redis.set(cancel_key(response_id), "1", ex=CANCEL_FLAG_SECONDS)
         except Exception as exc:  # Redis is away too: nothing queued, or a worker finds no row
             log.warning("response %s: not taken out of the queue (%s)", response_id, type(exc).__name__)
-        with contextlib.suppress(Exception):
-            await self._take_back(response_id)
+        # In the background: the insert met an outage, and a Postgres that hangs would hold the
+        # client's 503 for a second statement's deadline.
+        taking_back = asyncio.get_running_loop().create_task(self._take_back(response_id))
+        self._taking_back.add(taking_back)
+        taking_back.add_done_callback(self._taken_back)
 
     async def _conversation_history(
         self, conn: AsyncConnection, owner: str, on: str, route: Route, request: CreateRequest
@@ -402,6 +407,11 @@ class ResponseService:
             f"The queue is unavailable: response '{response['id']}' was recorded but could not be "
             "queued, and has been marked failed. Retry the request shortly."
         ) from exc
+
+    def _taken_back(self, task: asyncio.Task[bool]) -> None:
+        self._taking_back.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("response %s: its take-back failed", logs.RESPONSE_ID.get(), exc_info=task.exception())
 
     async def _take_back(self, response_id: str) -> bool:
         """Delete a row whose enqueue failed (and its input items); whether it is gone."""
@@ -666,10 +676,10 @@ class ResponseService:
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def check_ready(self) -> None:
-        """Raise `UnavailableError` unless Redis and Postgres both answer (`/readyz`)."""
+        """Raise an outage unless Redis and Postgres both answer (`/readyz`), Postgres within
+        READY_SECONDS: a probe's own timeout is short, and a hung Postgres must read as not ready."""
         await self.redis.ping()
-        async with self.autocommit.connect() as conn:
-            await conn.execute(text("SELECT 1"))
+        await self.direct.ping(READY_SECONDS)
 
     async def _stored(self, owner: str, response_id: str) -> store.View:
         """The response as its owner sees it (its request and input left unread: `store.get_view`);
