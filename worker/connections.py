@@ -1,23 +1,160 @@
 """Every Redis client respool builds, in one place: each process's pooled asyncio client, a relay's
 blocking client, and RQ's synchronous one. Postgres engines are the store's (`worker.postgres.store`).
 
+A `redis+sentinel://` URL (docs/redis.md) makes each of them a client of the primary that the
+sentinels name, found again whenever a connection is made; every other URL is redis-py's own.
+
 Nothing connects here: a client connects on its first command.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, quote, unquote
 
 import hiredis
 from redis import Redis as SyncRedis
+from redis import sentinel as sync_sentinel
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+SENTINEL_SCHEME = "redis+sentinel"
+_SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelAddress:
+    """Where a Sentinel-managed primary is found: `redis+sentinel://[[user]:password@]host[:port][,…]
+    /master[/db][?sentinel_password=…]`, the password the primary's (and its replicas')."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelAddress:
+        """The address `url` names; `ValueError` saying what is wrong with it."""
+        rest = url.removeprefix(f"{SENTINEL_SCHEME}://")
+        rest, _, query = rest.partition("?")
+        netloc, _, path = rest.partition("/")
+        userinfo, _, hosts = netloc.rpartition("@")
+        username, _, password = userinfo.partition(":")
+        master, _, db = path.strip("/").partition("/")
+        if not master:
+            raise ValueError(f"{url!r} names no master: redis+sentinel://host:port,…/<master>")
+        if not db.isdigit() and db:
+            raise ValueError(f"{url!r}: the database after the master must be a number")
+        sentinel_password = parse_qs(query).get("sentinel_password", [None])[-1]
+        return cls(
+            sentinels=tuple(_host_port(item, url) for item in hosts.split(",") if item),
+            master=unquote(master),
+            db=int(db or 0),
+            username=unquote(username) or None,
+            password=unquote(password) or None,
+            sentinel_password=sentinel_password,
+        )
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        return {"db": self.db, "username": self.username, "password": self.password}
+
+    def sentinel_kwargs(self, timeout_seconds: float | None) -> dict[str, Any]:
+        """How each sentinel is asked: bounded even where the primary's replies need not be."""
+        bound = timeout_seconds or 5.0
+        return {
+            "socket_connect_timeout": bound,
+            "socket_timeout": bound,
+            "password": self.sentinel_password,
+        }
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    host, _, port = item.strip().rpartition(":") if ":" in item else (item, "", "")
+    if not host or (port and not port.isdigit()):
+        raise ValueError(f"{url!r}: {item!r} is not a sentinel's host:port")
+    return host, int(port or _SENTINEL_PORT)
+
+
+def sentinel_address(redis_url: str) -> SentinelAddress | None:
+    """The Sentinel address `redis_url` names, or None for a plain Redis URL."""
+    if not redis_url.startswith(f"{SENTINEL_SCHEME}://"):
+        return None
+    return SentinelAddress.parse(redis_url)
+
+
+def sentinel_url(sentinels: str, master: str, sentinel_password: str | None = None) -> str:
+    """The `redis+sentinel://` URL of RESPOOL_REDIS_SENTINELS and RESPOOL_REDIS_SENTINEL_MASTER."""
+    hosts = ",".join(item.strip() for item in sentinels.split(",") if item.strip())
+    query = f"?sentinel_password={quote(sentinel_password, safe='')}" if sentinel_password else ""
+    return f"{SENTINEL_SCHEME}://{hosts}/{quote(master, safe='')}{query}"
+
+
+def _is_role_change(reply: Any) -> bool:
+    """A reply that says the connection's server stopped being the primary: READONLY (a replica now),
+    NOREPLICAS (`min-replicas-to-write`: its replica left it, promoted), UNBLOCKED (a blocked read
+    cut short as its role changed)."""
+    if isinstance(reply, ReadOnlyError):
+        return True
+    return isinstance(reply, ResponseError) and str(reply).startswith(("NOREPLICAS", "UNBLOCKED"))
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    """A connection to the sentinels' primary that, on a reply saying it is no longer the primary,
+    disconnects (the next connect asks the sentinels again) and fails as a dropped connection does,
+    which `connect`'s retry, `bare_pipeline` and the outage handling all treat as one."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not _is_role_change(exc):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError(f"{self.host}:{self.port} is no longer the primary: {exc}") from exc
+
+
+class _SyncPrimaryConnection(sync_sentinel.SentinelManagedConnection):
+    """`_PrimaryConnection` for RQ's synchronous client."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not _is_role_change(exc):
+                raise
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise RedisConnectionError(f"{self.host}:{self.port} is no longer the primary: {exc}") from exc
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The sentinels' primary behind a pool that makes a burst wait for a free connection."""
+
+
+def _pool(
+    redis_url: str, pool_class: type[ConnectionPool], timeout_seconds: float, **kwargs: Any
+) -> ConnectionPool:
+    address = sentinel_address(redis_url)
+    if address is None:
+        return pool_class.from_url(redis_url, **kwargs)
+    sentinels = Sentinel(address.sentinels, sentinel_kwargs=address.sentinel_kwargs(timeout_seconds))  # type: ignore[no-untyped-call]
+    sentinel_class = _BlockingSentinelPool if pool_class is BlockingConnectionPool else SentinelConnectionPool
+    return sentinel_class(  # type: ignore[no-untyped-call]
+        address.master,
+        sentinels,
+        connection_class=_PrimaryConnection,
+        **address.connection_kwargs(),
+        **kwargs,
+    )
 
 
 def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
@@ -27,9 +164,12 @@ def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) 
 
     A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
     each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
+    Behind Sentinel, a primary that is one no longer counts as dropped: the new one is asked for.
     """
-    pool = BlockingConnectionPool.from_url(
+    pool = _pool(
         redis_url,
+        BlockingConnectionPool,
+        timeout_seconds,
         max_connections=max_connections,
         timeout=30,
         socket_connect_timeout=timeout_seconds,
@@ -42,22 +182,37 @@ def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) 
 def blocking_client(redis_url: str, block_seconds: float, timeout_seconds: float) -> Redis:
     """One connection for reads that block up to `block_seconds` (the tailer's XREAD): its read
     timeout is that plus `timeout_seconds` (a shorter one would cut every idle read short)."""
-    client = Redis.from_url(
+    pool = _pool(
         redis_url,
+        ConnectionPool,
+        timeout_seconds,
         max_connections=1,
         socket_connect_timeout=timeout_seconds,
         socket_timeout=block_seconds + timeout_seconds,
     )
-    hiredis_packing(client.connection_pool)
-    return client
+    return Redis(connection_pool=hiredis_packing(pool))
 
 
 def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRedis:
     """RQ's synchronous client (its queue, registries and worker loop); `timeout_seconds` bounds each
     connect and reply (None: RQ's own blocking pops need no bound)."""
-    return SyncRedis.from_url(
-        redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
+    address = sentinel_address(redis_url)
+    if address is None:
+        return SyncRedis.from_url(
+            redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
+        )
+    sentinels = sync_sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        address.sentinels, sentinel_kwargs=address.sentinel_kwargs(timeout_seconds)
     )
+    pool = sync_sentinel.SentinelConnectionPool(  # type: ignore[no-untyped-call]
+        address.master,
+        sentinels,
+        connection_class=_SyncPrimaryConnection,
+        socket_connect_timeout=timeout_seconds,
+        socket_timeout=timeout_seconds,
+        **address.connection_kwargs(),
+    )
+    return SyncRedis(connection_pool=pool)
 
 
 async def bare_command(redis: Redis, *args: str | bytes | int | float) -> Any:
@@ -115,6 +270,7 @@ class HeldConnection:
 
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
+        self._follows_primary = isinstance(self._pool, SentinelConnectionPool)
         self._connection: Any = None
         self._busy = False
         self._timed_out = False
@@ -163,10 +319,14 @@ class HeldConnection:
         timer = None if not timeout else asyncio.get_running_loop().call_later(timeout, self._expire, writer)
         try:
             parser = connection._parser
-            return [await _parsed(parser) for _ in range(count)]
+            replies = [await _parsed(parser) for _ in range(count)]
         finally:
             if timer is not None:
                 timer.cancel()
+        if self._follows_primary and any(_is_role_change(reply) for reply in replies):
+            # what `_PrimaryConnection` does for the pool's own reads, which this one bypasses
+            raise RedisConnectionError(f"{connection.host}:{connection.port} is no longer the primary")
+        return replies
 
     def _expire(self, writer: asyncio.StreamWriter) -> None:
         """The reply is overdue: close the connection under the read, which then fails."""

@@ -16,6 +16,12 @@ class Settings(BaseSettings):
 
     # Where things are. Empty URLs mean "start the embedded servers" (`respool up`).
     redis_url: str = ""
+    # Redis behind Sentinel (docs/redis.md): the sentinels' comma-separated host:port list and the
+    # name they monitor the primary by, with the sentinels' own password if they ask for one. Set,
+    # they stand for RESPOOL_REDIS_URL (which a `redis+sentinel://` URL can say as well).
+    redis_sentinels: str = ""
+    redis_sentinel_master: str = ""
+    redis_sentinel_password: SecretStr | None = None
     database_url: str = ""
     data_dir: Path = Path(".respool")
     # The embedded Redis's binary (`respool up`): auto, bundled, or a path (api/up/embedded.py).
@@ -192,6 +198,27 @@ class Settings(BaseSettings):
                 "RESPOOL_WEB_SEARCH_BACKEND=mcp needs RESPOOL_WEB_SEARCH_MCP_TOOL=<label>/<tool> "
                 "(a server registered in respool.toml, and its search tool)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sentinels_name_the_redis(self) -> Settings:
+        """RESPOOL_REDIS_SENTINELS and its master become `redis_url`'s `redis+sentinel://` form, so
+        that every client (and every process `respool up` starts) is built from the one URL."""
+        from worker.connections import sentinel_address, sentinel_url
+
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("RESPOOL_REDIS_SENTINELS and RESPOOL_REDIS_SENTINEL_MASTER go together")
+        if self.redis_sentinels:
+            password = self.redis_sentinel_password
+            url = sentinel_url(
+                self.redis_sentinels,
+                self.redis_sentinel_master,
+                password.get_secret_value() if password else None,
+            )
+            if self.redis_url and self.redis_url != url:
+                raise ValueError("set RESPOOL_REDIS_URL or RESPOOL_REDIS_SENTINELS, not both")
+            self.redis_url = url
+        sentinel_address(self.redis_url)  # a malformed redis+sentinel:// URL is refused here
         return self
 
     @property

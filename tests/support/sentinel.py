@@ -1,0 +1,143 @@
+"""A Redis Sentinel set on loopback for tests: a primary, a replica and three sentinels.
+
+Owns `SentinelSet`: every server on a free port with its own temporary directory, started as a
+deployment runs them (`redis-server --replicaof`, `redis-server sentinel.conf --sentinel`), a
+failover forced as an operator forces one (`SENTINEL FAILOVER`), and everything stopped at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis import Redis
+
+from tests.support.stack import free_port, wait_for
+
+MASTER = "respool"  # the name the sentinels monitor the primary by
+
+
+@dataclass
+class SentinelSet:
+    """The servers of one set: `data_ports` (the primary first, as started) and `sentinel_ports`."""
+
+    root: Path
+    data_ports: list[int] = field(default_factory=list)
+    sentinel_ports: list[int] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def sentinels(self) -> str:
+        """`RESPOOL_REDIS_SENTINELS`: every sentinel's host:port."""
+        return ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+
+    def primary(self) -> tuple[str, int]:
+        """The primary's address, as the first sentinel names it now."""
+        with Redis(port=self.sentinel_ports[0], socket_timeout=5) as sentinel:
+            host, port = sentinel.sentinel_get_master_addr_by_name(MASTER)
+            return str(host), int(port)
+
+    def fail_over(self, timeout: float = 60.0) -> tuple[str, int]:
+        """Force a failover and return once every sentinel names the new primary and it takes writes."""
+        before = self.primary()
+        with Redis(port=self.sentinel_ports[0], socket_timeout=5) as sentinel:
+            sentinel.execute_command("SENTINEL FAILOVER", MASTER)
+        wait_for(lambda: self._all_name_another(before), timeout=timeout, what="the sentinels to switch")
+        after = self.primary()
+        with Redis(host=after[0], port=after[1], socket_timeout=5) as primary:
+            wait_for(lambda: primary.info("replication")["role"] == "master", timeout=timeout)
+        return after
+
+    def _all_name_another(self, before: tuple[str, int]) -> bool:
+        for port in self.sentinel_ports:
+            with Redis(port=port, socket_timeout=5) as sentinel:
+                host, named = sentinel.sentinel_get_master_addr_by_name(MASTER)
+                if (str(host), int(named)) == before:
+                    return False
+        return True
+
+    def _start(self, name: str, config: str, *args: str) -> None:
+        directory = self.root / name
+        directory.mkdir()
+        conf = directory / "redis.conf"
+        conf.write_text(config)
+        log = (directory / "log").open("ab")
+        self.processes.append(
+            subprocess.Popen(
+                ["redis-server", str(conf), *args], cwd=directory, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
+
+    def _start_data(self, primary: int | None) -> None:
+        port = free_port()
+        lines = [f"port {port}", "bind 127.0.0.1", "appendonly yes", "dir .", "save ''"]
+        if primary is not None:
+            lines.append(f"replicaof 127.0.0.1 {primary}")
+        self._start(f"redis-{port}", "\n".join(lines) + "\n")
+        self.data_ports.append(port)
+        with Redis(port=port, socket_timeout=5) as client:
+            wait_for(lambda: _answers(client), what=f"redis on {port}")
+
+    def _start_sentinel(self, primary: int) -> None:
+        port = free_port()
+        config = (
+            f"port {port}\nbind 127.0.0.1\ndir .\n"
+            f"sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n"
+            f"sentinel down-after-milliseconds {MASTER} 2000\n"
+            f"sentinel failover-timeout {MASTER} 10000\n"
+        )
+        self._start(f"sentinel-{port}", config, "--sentinel")
+        self.sentinel_ports.append(port)
+
+    def _wait_until_watched(self) -> None:
+        """Every sentinel sees the replica and its two peers: a failover can then be agreed on."""
+
+        def ready(port: int) -> bool:
+            with Redis(port=port, socket_timeout=5) as sentinel:
+                try:
+                    state = sentinel.sentinel_master(MASTER)
+                except Exception:
+                    return False
+                return int(state["num-slaves"]) >= 1 and int(state["num-other-sentinels"]) >= 2
+
+        for port in self.sentinel_ports:
+            wait_for(functools.partial(ready, port), timeout=60, what=f"sentinel {port} to see the set")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _answers(client: Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+
+
+@contextmanager
+def sentinel_set() -> Iterator[SentinelSet]:
+    """A primary, its replica and three sentinels watching them, stopped afterwards."""
+    running = SentinelSet(Path(tempfile.mkdtemp(prefix="respool-sentinel-")))
+    try:
+        running._start_data(None)
+        running._start_data(running.data_ports[0])
+        for _ in range(3):
+            running._start_sentinel(running.data_ports[0])
+        running._wait_until_watched()
+        yield running
+    finally:
+        running.stop()
