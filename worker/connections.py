@@ -10,6 +10,7 @@ Nothing connects here: a client connects on its first command.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
@@ -19,7 +20,12 @@ from redis import Redis as SyncRedis
 from redis import sentinel as sync_sentinel
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+)
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -136,7 +142,88 @@ class _SyncPrimaryConnection(sync_sentinel.SentinelManagedConnection):
             raise RedisConnectionError(f"{self.host}:{self.port} is no longer the primary: {exc}") from exc
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+# How long a pool waits, once a failover has begun, for the sentinels to name the new primary
+# before it trusts the old one again (a failover that neither ends nor aborts).
+_FAILOVER_WAIT_SECONDS = 15.0
+
+
+class _FollowingPool(SentinelConnectionPool):
+    """A pool of connections to the sentinels' primary that follows a failover as the sentinels
+    announce it (their `+try-failover`, `+switch-master`, `-failover-abort-*` events).
+
+    Sentinel promotes the replica while the old primary still takes writes, and demotes that one
+    seconds later (11 s on loopback): every write it takes meanwhile is lost when it resyncs. So
+    from the failover's start until the sentinels name another primary (or `_FAILOVER_WAIT_SECONDS`
+    pass), this pool holds no connection and makes none: its commands fail as a dropped connection
+    does, an outage of the failover's length, which respool's outage handling rides out.
+    """
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+        self._watch: asyncio.Task[None] | None = None
+        self._paused_at: Any = None  # the primary the failover began on, until it ends
+        self._paused_until = 0.0
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._follow())
+        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    async def get_master_address(self) -> Any:
+        if self._paused_at is not None:
+            named = await self.sentinel_manager.discover_master(self.service_name)
+            if named == self._paused_at and time.monotonic() < self._paused_until:
+                raise MasterNotFoundError(f"{self.service_name!r} is failing over")
+            self._paused_at = None
+        return await super().get_master_address()  # type: ignore[no-untyped-call]
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        if inuse_connections and self._watch is not None:  # closing: the watch goes with the pool
+            self._watch.cancel()
+            self._watch = None
+        await super().disconnect(inuse_connections)
+
+    async def _follow(self) -> None:
+        hosts = [sentinel.connection_pool.connection_kwargs for sentinel in self.sentinel_manager.sentinels]
+        await asyncio.gather(*(self._follow_one(Redis(**_listening(kwargs))) for kwargs in hosts))
+
+    async def _follow_one(self, sentinel: Redis) -> None:
+        while True:
+            try:
+                async with sentinel.pubsub() as pubsub:
+                    await pubsub.subscribe("+try-failover", "+switch-master", *_ABORTS)
+                    async for message in pubsub.listen():
+                        if message["type"] == "message":
+                            await self._on_event(message["channel"].decode(), message["data"].decode())
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                await asyncio.sleep(1)  # that sentinel is away: the others are listened to meanwhile
+
+    async def _on_event(self, channel: str, data: str) -> None:
+        words = data.split()
+        name = words[0] if channel == "+switch-master" else (words[1] if len(words) > 1 else "")
+        if name != self.service_name:
+            return
+        if channel == "+try-failover":
+            self._paused_at = self.master_address or await self.sentinel_manager.discover_master(name)
+            self._paused_until = time.monotonic() + _FAILOVER_WAIT_SECONDS
+        elif channel == "+switch-master" or self._paused_at is not None:
+            self._paused_at = None  # ended or aborted: connections are made again, to whom they name
+        else:
+            return
+        await super().disconnect(inuse_connections=True)  # nothing more goes to the old primary
+
+
+_ABORTS = ("-failover-abort-not-elected", "-failover-abort-no-good-slave", "-failover-abort-slave-timeout")
+
+
+def _listening(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A sentinel's connection settings for a subscription: its connect bounded, its reads not (an
+    idle subscription is silent for as long as no failover happens)."""
+    kept = ("host", "port", "password", "socket_connect_timeout")
+    return {**{key: kwargs[key] for key in kept if key in kwargs}, "socket_keepalive": True}
+
+
+class _BlockingSentinelPool(_FollowingPool, BlockingConnectionPool):
     """The sentinels' primary behind a pool that makes a burst wait for a free connection."""
 
 
@@ -147,8 +234,8 @@ def _pool(
     if address is None:
         return pool_class.from_url(redis_url, **kwargs)
     sentinels = Sentinel(address.sentinels, sentinel_kwargs=address.sentinel_kwargs(timeout_seconds))  # type: ignore[no-untyped-call]
-    sentinel_class = _BlockingSentinelPool if pool_class is BlockingConnectionPool else SentinelConnectionPool
-    return sentinel_class(  # type: ignore[no-untyped-call]
+    sentinel_class = _BlockingSentinelPool if pool_class is BlockingConnectionPool else _FollowingPool
+    return sentinel_class(
         address.master,
         sentinels,
         connection_class=_PrimaryConnection,
