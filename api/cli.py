@@ -227,7 +227,10 @@ def _uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 def _require_servers(settings: Settings) -> None:
     if not settings.has_servers:
-        sys.exit("respool: set RESPOOL_REDIS_URL and RESPOOL_DATABASE_URL (or use `respool up`).")
+        sys.exit(
+            "respool: set RESPOOL_REDIS_URL (or RESPOOL_REDIS_SENTINELS) and RESPOOL_DATABASE_URL "
+            "(or use `respool up`)."
+        )
 
 
 def _require_redis(settings: Settings) -> None:

@@ -161,8 +161,9 @@ class _FollowingPool(SentinelConnectionPool):
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
         self._watch: asyncio.Task[None] | None = None
-        self._paused_at: Any = None  # the primary the failover began on, until it ends
-        self._paused_until = 0.0
+        self._stale: Any = None  # the primary a failover began on (or ended, leaving), for a while
+        self._stale_until = 0.0
+        self._switched_to: Any = None  # the new primary, once one sentinel has announced it
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if self._watch is None:
@@ -170,12 +171,17 @@ class _FollowingPool(SentinelConnectionPool):
         return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     async def get_master_address(self) -> Any:
-        if self._paused_at is not None:
-            named = await self.sentinel_manager.discover_master(self.service_name)
-            if named == self._paused_at and time.monotonic() < self._paused_until:
+        """The primary the sentinels name, but never the one a failover is leaving: none while it
+        runs, and the announced one while some sentinels still name the old (they switch one by one)."""
+        named = await self.sentinel_manager.discover_master(self.service_name)
+        if named == self._stale and time.monotonic() < self._stale_until:
+            if self._switched_to is None:
                 raise MasterNotFoundError(f"{self.service_name!r} is failing over")
-            self._paused_at = None
-        return await super().get_master_address()  # type: ignore[no-untyped-call]
+            named = self._switched_to
+        if self.master_address != named:
+            self.master_address = named
+            await self.disconnect(inuse_connections=False)  # idle ones reconnect to it when next used
+        return named
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         if inuse_connections and self._watch is not None:  # closing: the watch goes with the pool
@@ -203,11 +209,14 @@ class _FollowingPool(SentinelConnectionPool):
         name = words[0] if channel == "+switch-master" else (words[1] if len(words) > 1 else "")
         if name != self.service_name:
             return
+        self._stale_until = time.monotonic() + _FAILOVER_WAIT_SECONDS
         if channel == "+try-failover":
-            self._paused_at = self.master_address or await self.sentinel_manager.discover_master(name)
-            self._paused_until = time.monotonic() + _FAILOVER_WAIT_SECONDS
-        elif channel == "+switch-master" or self._paused_at is not None:
-            self._paused_at = None  # ended or aborted: connections are made again, to whom they name
+            self._stale = self.master_address or await self.sentinel_manager.discover_master(name)
+            self._switched_to = None
+        elif channel == "+switch-master" and len(words) == 5:
+            self._stale, self._switched_to = (words[1], int(words[2])), (words[3], int(words[4]))
+        elif self._stale is not None and self._switched_to is None:
+            self._stale = None  # aborted: the old primary is the primary still
         else:
             return
         await super().disconnect(inuse_connections=True)  # nothing more goes to the old primary

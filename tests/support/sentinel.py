@@ -43,7 +43,7 @@ class SentinelSet:
         """The primary's address, as the first sentinel names it now."""
         with Redis(port=self.sentinel_ports[0], socket_timeout=5) as sentinel:
             host, port = sentinel.sentinel_get_master_addr_by_name(MASTER)
-            return str(host), int(port)
+            return _text(host), int(port)
 
     def fail_over(self, timeout: float = 60.0) -> tuple[str, int]:
         """Force a failover and return once every sentinel names the new primary and it takes writes."""
@@ -56,11 +56,30 @@ class SentinelSet:
             wait_for(lambda: primary.info("replication")["role"] == "master", timeout=timeout)
         return after
 
+    def all_listened_to(self) -> bool:
+        """Whether every sentinel has a subscriber (the sentinels subscribe on the data servers only)."""
+        for port in self.sentinel_ports:
+            with Redis(port=port, socket_timeout=5) as sentinel:
+                if not any(int(client.get("sub", 0)) for client in sentinel.client_list()):
+                    return False
+        return True
+
+    def wait_demoted(self, old: tuple[str, int], timeout: float = 60.0) -> None:
+        """Return once the old primary has become a replica and synced from the new one: what it
+        alone took meanwhile is gone from the set then, so a check after this sees what survived."""
+
+        def demoted() -> bool:
+            with Redis(host=old[0], port=old[1], socket_timeout=5) as server:
+                state = server.info("replication")
+                return state["role"] == "slave" and state.get("master_link_status") == "up"
+
+        wait_for(demoted, timeout=timeout, what=f"{old} to become a replica")
+
     def _all_name_another(self, before: tuple[str, int]) -> bool:
         for port in self.sentinel_ports:
             with Redis(port=port, socket_timeout=5) as sentinel:
                 host, named = sentinel.sentinel_get_master_addr_by_name(MASTER)
-                if (str(host), int(named)) == before:
+                if (_text(host), int(named)) == before:
                     return False
         return True
 
@@ -69,12 +88,12 @@ class SentinelSet:
         directory.mkdir()
         conf = directory / "redis.conf"
         conf.write_text(config)
-        log = (directory / "log").open("ab")
-        self.processes.append(
-            subprocess.Popen(
-                [REDIS_SERVER, str(conf), *args], cwd=directory, stdout=log, stderr=subprocess.STDOUT
+        with (directory / "log").open("ab") as log:  # the server keeps its own copy
+            self.processes.append(
+                subprocess.Popen(
+                    [REDIS_SERVER, str(conf), *args], cwd=directory, stdout=log, stderr=subprocess.STDOUT
+                )
             )
-        )
 
     def _start_data(self, primary: int | None) -> None:
         port = free_port()
@@ -121,6 +140,10 @@ class SentinelSet:
                 process.kill()
                 process.wait()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _answers(client: Redis) -> bool:
