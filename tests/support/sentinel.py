@@ -97,7 +97,15 @@ class SentinelSet:
 
     def _start_data(self, primary: int | None) -> None:
         port = free_port()
-        lines = [f"port {port}", "bind 127.0.0.1", "appendonly yes", "dir .", "save ''"]
+        # no delay before a replica's first sync (7.0 waits 5 s for more replicas to share it)
+        lines = [
+            f"port {port}",
+            "bind 127.0.0.1",
+            "appendonly yes",
+            "dir .",
+            "save ''",
+            "repl-diskless-sync-delay 0",
+        ]
         if primary is not None:
             lines.append(f"replicaof 127.0.0.1 {primary}")
         self._start(f"redis-{port}", "\n".join(lines) + "\n")
@@ -117,7 +125,14 @@ class SentinelSet:
         self.sentinel_ports.append(port)
 
     def _wait_until_watched(self) -> None:
-        """Every sentinel sees the replica and its two peers: a failover can then be agreed on."""
+        """The replica has synced, and every sentinel sees it and its two peers: a failover can then
+        be agreed on, and promotes a replica that has everything."""
+        with Redis(port=self.data_ports[1], socket_timeout=5) as replica:
+            wait_for(
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                timeout=60,
+                what="the replica's first sync",
+            )
 
         def ready(port: int) -> bool:
             with Redis(port=port, socket_timeout=5) as sentinel:

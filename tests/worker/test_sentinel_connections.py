@@ -24,10 +24,6 @@ def sentinels() -> Iterator[SentinelSet]:
         yield running
 
 
-@pytest.mark.xfail(
-    reason="not yet whole: a write or two answered around the failover's start can still be lost, "
-    "and the pool does not always see +try-failover in time (docs/redis.md, Known gaps)"
-)
 async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: SentinelSet) -> None:
     """INCRs sent every 20 ms through each way of sending, across SENTINEL FAILOVER: once the old
     primary is a replica, each counter on the new primary equals the INCRs that were answered."""
