@@ -194,15 +194,18 @@ class _FollowingPool(SentinelConnectionPool):
         await asyncio.gather(*(self._follow_one(Redis(**_listening(kwargs))) for kwargs in hosts))
 
     async def _follow_one(self, sentinel: Redis) -> None:
-        while True:
-            try:
-                async with sentinel.pubsub() as pubsub:
-                    await pubsub.subscribe("+try-failover", "+switch-master", *_ABORTS)
-                    async for message in pubsub.listen():
-                        if message["type"] == "message":
-                            await self._on_event(message["channel"].decode(), message["data"].decode())
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                await asyncio.sleep(1)  # that sentinel is away: the others are listened to meanwhile
+        try:
+            while True:
+                try:
+                    async with sentinel.pubsub() as pubsub:
+                        await pubsub.subscribe("+try-failover", "+switch-master", *_ABORTS)
+                        async for message in pubsub.listen():
+                            if message["type"] == "message":
+                                await self._on_event(message["channel"].decode(), message["data"].decode())
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    await asyncio.sleep(1)  # that sentinel is away: the others are listened to meanwhile
+        finally:
+            await sentinel.aclose()
 
     async def _on_event(self, channel: str, data: str) -> None:
         words = data.split()

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
+from redis import Redis
 
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.sentinel import MASTER, SentinelSet, sentinel_set
 from tests.support.stack import Servers, Stack, fresh_database, rows_with_metadata, wait_for
+from worker.keys import events_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -124,6 +126,7 @@ class Failover:
     marker: str
     polled: list[str]
     streams: list[list[ResponseStreamEvent]]
+    kept: dict[str, list[tuple[bytes, bytes]]]  # each response's stream as the set kept it: (id, type)
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +155,28 @@ def failover(sentinels: SentinelSet, sdk: openai.OpenAI) -> Failover:
         )
         assert sentinels.fail_over() != before
         streams = [reader.result(timeout=SETTLE_SECONDS) for reader in readers]
+    followed = [events[0].response.id for events in streams]  # type: ignore[union-attr]
+    for response_id in [*polled, *followed]:
+        settled(sdk, response_id)
     sentinels.wait_demoted(before)
-    return Failover(marker, polled, streams)
+    host, port = sentinels.primary()
+    with Redis(host=host, port=port, socket_timeout=5) as primary:
+        kept = {
+            response_id: [(entry, fields[b"t"]) for entry, fields in primary.xrange(events_key(response_id))]
+            for response_id in [*polled, *followed]
+        }
+    return Failover(marker, polled, streams, kept)
 
 
 def test_a_failover_under_load_loses_nothing(failover: Failover, sdk: openai.OpenAI, database: str) -> None:
     """Every response of the load completes, once: exactly 40 rows, each replayed stream gapless
     with one terminal event and the stored output as its text."""
     assert rows_with_metadata(Servers("", database), failover.marker) == FOLLOWED + POLLED
+    # As Redis kept them, before any replay (a replay of a stream left without its end rebuilds it
+    # from Postgres, which would hide what was lost): every event, in order, the terminal one last.
+    for response_id, entries in failover.kept.items():
+        assert [entry for entry, _ in entries] == [f"0-{n}".encode() for n in range(1, len(entries) + 1)]
+        assert entries and entries[-1][1] == b"response.completed", (response_id, entries[-3:])
     followed = [events[0].response.id for events in failover.streams]  # type: ignore[union-attr]
     for response_id in [*failover.polled, *followed]:
         response = settled(sdk, response_id)
