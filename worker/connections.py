@@ -10,233 +10,20 @@ Nothing connects here: a client connects on its first command.
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote
 
 import hiredis
 from redis import Redis as SyncRedis
-from redis import sentinel as sync_sentinel
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import (
-    MasterNotFoundError,
-    Sentinel,
-    SentinelConnectionPool,
-    SentinelManagedConnection,
-)
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-SENTINEL_SCHEME = "redis+sentinel"
-_SENTINEL_PORT = 26379
-
-
-@dataclass(frozen=True)
-class SentinelAddress:
-    """Where a Sentinel-managed primary is found: `redis+sentinel://[[user]:password@]host[:port][,…]
-    /master[/db][?sentinel_password=…]`, the password the primary's (and its replicas')."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    master: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
-
-    @classmethod
-    def parse(cls, url: str) -> SentinelAddress:
-        """The address `url` names; `ValueError` saying what is wrong with it."""
-        rest = url.removeprefix(f"{SENTINEL_SCHEME}://")
-        rest, _, query = rest.partition("?")
-        netloc, _, path = rest.partition("/")
-        userinfo, _, hosts = netloc.rpartition("@")
-        username, _, password = userinfo.partition(":")
-        master, _, db = path.strip("/").partition("/")
-        if not master:
-            raise ValueError(f"{url!r} names no master: redis+sentinel://host:port,…/<master>")
-        if not db.isdigit() and db:
-            raise ValueError(f"{url!r}: the database after the master must be a number")
-        sentinel_password = parse_qs(query).get("sentinel_password", [None])[-1]
-        return cls(
-            sentinels=tuple(_host_port(item, url) for item in hosts.split(",") if item),
-            master=unquote(master),
-            db=int(db or 0),
-            username=unquote(username) or None,
-            password=unquote(password) or None,
-            sentinel_password=sentinel_password,
-        )
-
-    def connection_kwargs(self) -> dict[str, Any]:
-        return {"db": self.db, "username": self.username, "password": self.password}
-
-    def sentinel_kwargs(self, timeout_seconds: float | None) -> dict[str, Any]:
-        """How each sentinel is asked: bounded even where the primary's replies need not be."""
-        bound = timeout_seconds or 5.0
-        return {
-            "socket_connect_timeout": bound,
-            "socket_timeout": bound,
-            "password": self.sentinel_password,
-        }
-
-
-def _host_port(item: str, url: str) -> tuple[str, int]:
-    host, _, port = item.strip().rpartition(":") if ":" in item else (item, "", "")
-    if not host or (port and not port.isdigit()):
-        raise ValueError(f"{url!r}: {item!r} is not a sentinel's host:port")
-    return host, int(port or _SENTINEL_PORT)
-
-
-def sentinel_address(redis_url: str) -> SentinelAddress | None:
-    """The Sentinel address `redis_url` names, or None for a plain Redis URL."""
-    if not redis_url.startswith(f"{SENTINEL_SCHEME}://"):
-        return None
-    return SentinelAddress.parse(redis_url)
-
-
-def sentinel_url(sentinels: str, master: str, sentinel_password: str | None = None) -> str:
-    """The `redis+sentinel://` URL of RESPOOL_REDIS_SENTINELS and RESPOOL_REDIS_SENTINEL_MASTER."""
-    hosts = ",".join(item.strip() for item in sentinels.split(",") if item.strip())
-    query = f"?sentinel_password={quote(sentinel_password, safe='')}" if sentinel_password else ""
-    return f"{SENTINEL_SCHEME}://{hosts}/{quote(master, safe='')}{query}"
-
-
-def _is_role_change(reply: Any) -> bool:
-    """A reply that says the connection's server stopped being the primary: READONLY (a replica now),
-    NOREPLICAS (`min-replicas-to-write`: its replica left it, promoted), UNBLOCKED (a blocked read
-    cut short as its role changed)."""
-    if isinstance(reply, ReadOnlyError):
-        return True
-    return isinstance(reply, ResponseError) and str(reply).startswith(("NOREPLICAS", "UNBLOCKED"))
-
-
-class _PrimaryConnection(SentinelManagedConnection):
-    """A connection to the sentinels' primary that, on a reply saying it is no longer the primary,
-    disconnects (the next connect asks the sentinels again) and fails as a dropped connection does,
-    which `connect`'s retry, `bare_pipeline` and the outage handling all treat as one."""
-
-    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().read_response(*args, **kwargs)
-        except ResponseError as exc:
-            if not _is_role_change(exc):
-                raise
-            await self.disconnect()
-            raise RedisConnectionError(f"{self.host}:{self.port} is no longer the primary: {exc}") from exc
-
-
-class _SyncPrimaryConnection(sync_sentinel.SentinelManagedConnection):
-    """`_PrimaryConnection` for RQ's synchronous client."""
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().read_response(*args, **kwargs)
-        except ResponseError as exc:
-            if not _is_role_change(exc):
-                raise
-            self.disconnect()  # type: ignore[no-untyped-call]
-            raise RedisConnectionError(f"{self.host}:{self.port} is no longer the primary: {exc}") from exc
-
-
-# How long a pool waits, once a failover has begun, for the sentinels to name the new primary
-# before it trusts the old one again (a failover that neither ends nor aborts).
-_FAILOVER_WAIT_SECONDS = 15.0
-
-
-class _FollowingPool(SentinelConnectionPool):
-    """A pool of connections to the sentinels' primary that follows a failover as the sentinels
-    announce it (their `+try-failover`, `+switch-master`, `-failover-abort-*` events).
-
-    Sentinel promotes the replica while the old primary still takes writes, and demotes that one
-    seconds later (11 s on loopback): every write it takes meanwhile is lost when it resyncs. So
-    from the failover's start until the sentinels name another primary (or `_FAILOVER_WAIT_SECONDS`
-    pass), this pool holds no connection and makes none: its commands fail as a dropped connection
-    does, an outage of the failover's length, which respool's outage handling rides out.
-    """
-
-    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
-        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
-        self._watch: asyncio.Task[None] | None = None
-        self._stale: Any = None  # the primary a failover began on (or ended, leaving), for a while
-        self._stale_until = 0.0
-        self._switched_to: Any = None  # the new primary, once one sentinel has announced it
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if self._watch is None:
-            self._watch = asyncio.get_running_loop().create_task(self._follow())
-        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    async def get_master_address(self) -> Any:
-        """The primary the sentinels name, but never the one a failover is leaving: none while it
-        runs, and the announced one while some sentinels still name the old (they switch one by one)."""
-        named = await self.sentinel_manager.discover_master(self.service_name)
-        if named == self._stale and time.monotonic() < self._stale_until:
-            if self._switched_to is None:
-                raise MasterNotFoundError(f"{self.service_name!r} is failing over")
-            named = self._switched_to
-        if self.master_address != named:
-            self.master_address = named
-            await self.disconnect(inuse_connections=False)  # idle ones reconnect to it when next used
-        return named
-
-    async def disconnect(self, inuse_connections: bool = True) -> None:
-        if inuse_connections and self._watch is not None:  # closing: the watch goes with the pool
-            self._watch.cancel()
-            self._watch = None
-        await super().disconnect(inuse_connections)
-
-    async def _follow(self) -> None:
-        hosts = [sentinel.connection_pool.connection_kwargs for sentinel in self.sentinel_manager.sentinels]
-        await asyncio.gather(*(self._follow_one(Redis(**_listening(kwargs))) for kwargs in hosts))
-
-    async def _follow_one(self, sentinel: Redis) -> None:
-        try:
-            while True:
-                try:
-                    async with sentinel.pubsub() as pubsub:
-                        await pubsub.subscribe("+try-failover", "+switch-master", *_ABORTS)
-                        async for message in pubsub.listen():
-                            if message["type"] == "message":
-                                await self._on_event(message["channel"].decode(), message["data"].decode())
-                except (RedisConnectionError, RedisTimeoutError, OSError):
-                    await asyncio.sleep(1)  # that sentinel is away: the others are listened to meanwhile
-        finally:
-            await sentinel.aclose()
-
-    async def _on_event(self, channel: str, data: str) -> None:
-        words = data.split()
-        name = words[0] if channel == "+switch-master" else (words[1] if len(words) > 1 else "")
-        if name != self.service_name:
-            return
-        self._stale_until = time.monotonic() + _FAILOVER_WAIT_SECONDS
-        if channel == "+try-failover":
-            self._stale = self.master_address or await self.sentinel_manager.discover_master(name)
-            self._switched_to = None
-        elif channel == "+switch-master" and len(words) == 5:
-            self._stale, self._switched_to = (words[1], int(words[2])), (words[3], int(words[4]))
-        elif self._stale is not None and self._switched_to is None:
-            self._stale = None  # aborted: the old primary is the primary still
-        else:
-            return
-        await super().disconnect(inuse_connections=True)  # nothing more goes to the old primary
-
-
-_ABORTS = ("-failover-abort-not-elected", "-failover-abort-no-good-slave", "-failover-abort-slave-timeout")
-
-
-def _listening(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A sentinel's connection settings for a subscription: its connect bounded, its reads not (an
-    idle subscription is silent for as long as no failover happens)."""
-    kept = ("host", "port", "password", "socket_connect_timeout")
-    return {**{key: kwargs[key] for key in kept if key in kwargs}, "socket_keepalive": True}
-
-
-class _BlockingSentinelPool(_FollowingPool, BlockingConnectionPool):
-    """The sentinels' primary behind a pool that makes a burst wait for a free connection."""
+from worker.sentinel import async_pool, is_role_change, sentinel_address, sync_pool
 
 
 def _pool(
@@ -245,15 +32,7 @@ def _pool(
     address = sentinel_address(redis_url)
     if address is None:
         return pool_class.from_url(redis_url, **kwargs)
-    sentinels = Sentinel(address.sentinels, sentinel_kwargs=address.sentinel_kwargs(timeout_seconds))  # type: ignore[no-untyped-call]
-    sentinel_class = _BlockingSentinelPool if pool_class is BlockingConnectionPool else _FollowingPool
-    return sentinel_class(
-        address.master,
-        sentinels,
-        connection_class=_PrimaryConnection,
-        **address.connection_kwargs(),
-        **kwargs,
-    )
+    return async_pool(address, timeout_seconds, is_blocking=pool_class is BlockingConnectionPool, **kwargs)
 
 
 def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
@@ -300,16 +79,8 @@ def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRed
         return SyncRedis.from_url(
             redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
         )
-    sentinels = sync_sentinel.Sentinel(  # type: ignore[no-untyped-call]
-        address.sentinels, sentinel_kwargs=address.sentinel_kwargs(timeout_seconds)
-    )
-    pool = sync_sentinel.SentinelConnectionPool(  # type: ignore[no-untyped-call]
-        address.master,
-        sentinels,
-        connection_class=_SyncPrimaryConnection,
-        socket_connect_timeout=timeout_seconds,
-        socket_timeout=timeout_seconds,
-        **address.connection_kwargs(),
+    pool = sync_pool(
+        address, timeout_seconds, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
     )
     return SyncRedis(connection_pool=pool)
 
@@ -422,7 +193,7 @@ class HeldConnection:
         finally:
             if timer is not None:
                 timer.cancel()
-        if self._follows_primary and any(_is_role_change(reply) for reply in replies):
+        if self._follows_primary and any(is_role_change(reply) for reply in replies):
             # what `_PrimaryConnection` does for the pool's own reads, which this one bypasses
             raise RedisConnectionError(f"{connection.host}:{connection.port} is no longer the primary")
         return replies

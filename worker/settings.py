@@ -206,7 +206,7 @@ class Settings(BaseSettings):
     def _sentinels_name_the_redis(self) -> Settings:
         """RESPOOL_REDIS_SENTINELS and its master become `redis_url`'s `redis+sentinel://` form, so
         that every client (and every process `respool up` starts) is built from the one URL."""
-        from worker.connections import sentinel_address, sentinel_url
+        from worker.sentinel import sentinel_address, sentinel_url
 
         if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
             raise ValueError("RESPOOL_REDIS_SENTINELS and RESPOOL_REDIS_SENTINEL_MASTER go together")

@@ -56,11 +56,11 @@ class SentinelSet:
             wait_for(lambda: primary.info("replication")["role"] == "master", timeout=timeout)
         return after
 
-    def all_listened_to(self) -> bool:
-        """Whether every sentinel has a subscriber (the sentinels subscribe on the data servers only)."""
+    def all_listened_to(self, subscribers: int = 1) -> bool:
+        """Whether every sentinel has `subscribers` (the sentinels subscribe on the data servers only)."""
         for port in self.sentinel_ports:
             with Redis(port=port, socket_timeout=5) as sentinel:
-                if not any(int(client.get("sub", 0)) for client in sentinel.client_list()):
+                if sum(1 for client in sentinel.client_list() if int(client.get("sub", 0))) < subscribers:
                     return False
         return True
 

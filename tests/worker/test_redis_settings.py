@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from worker.compatibility import problems
-from worker.connections import SentinelAddress, sentinel_address, sentinel_url
+from worker.sentinel import SentinelAddress, sentinel_address, sentinel_url
 from worker.settings import Settings, unknown_variables
 
 

@@ -1,11 +1,13 @@
-"""Clients of a Sentinel-managed primary (worker/connections.py) across a forced failover, on a real
-Sentinel set: every write the pool, a held connection and `bare_command` report done is kept."""
+"""Clients of a Sentinel-managed primary (worker/connections.py, worker/sentinel.py) across a forced
+failover, on a real Sentinel set: every write the asyncio pool, a held connection, `bare_command`
+and RQ's synchronous client report done is kept."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 from redis import Redis as SyncRedis
@@ -13,7 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tests.support.sentinel import MASTER, SentinelSet, sentinel_set
 from tests.support.stack import wait_for
-from worker.connections import HeldConnection, bare_command, connect, sentinel_url
+from worker.connections import HeldConnection, bare_command, connect, sync_client
+from worker.sentinel import sentinel_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -27,16 +30,21 @@ def sentinels() -> Iterator[SentinelSet]:
 async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: SentinelSet) -> None:
     """INCRs sent every 20 ms through each way of sending, across SENTINEL FAILOVER: once the old
     primary is a replica, each counter on the new primary equals the INCRs that were answered."""
-    client = connect(sentinel_url(sentinels.sentinels, MASTER), max_connections=4, timeout_seconds=2)
+    url = sentinel_url(sentinels.sentinels, MASTER)
+    client = connect(url, max_connections=4, timeout_seconds=2)
     held = HeldConnection(client)
+    sync = sync_client(url, 2)  # RQ's
     sends = {
         "pool": lambda: client.incr("pool"),
         "held": lambda: held.command("INCR", "held"),
         "bare": lambda: bare_command(client, "INCR", "bare"),
+        "sync": lambda: asyncio.to_thread(sync.incr, "sync"),
     }
     answered = dict.fromkeys(sends, 0)
-    await client.ping()  # the pool's first connection starts its watch of the sentinels
-    await asyncio.to_thread(wait_for, sentinels.all_listened_to, what="the pool to listen to the sentinels")
+    await client.ping()  # each pool's first connection starts its watch of the sentinels
+    sync.ping()
+    listened = partial(sentinels.all_listened_to, 2)
+    await asyncio.to_thread(wait_for, listened, what="both pools to listen to the sentinels")
     before = sentinels.primary()
     failing_over = asyncio.create_task(asyncio.to_thread(sentinels.fail_over))
     stop_at = None
@@ -52,6 +60,7 @@ async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: Se
         await asyncio.sleep(0.02)
     after = await failing_over
     await held.close()
+    sync.close()
     await client.aclose()
     await client.connection_pool.disconnect()
     await asyncio.to_thread(sentinels.wait_demoted, before)
