@@ -7,11 +7,15 @@ respool is given only the sentinels (`RESPOOL_REDIS_SENTINELS`, `RESPOOL_REDIS_S
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +24,16 @@ from redis import Redis
 
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.sentinel import MASTER, SentinelSet, sentinel_set
-from tests.support.stack import Servers, Stack, fresh_database, rows_with_metadata, wait_for
+from tests.support.stack import (
+    ROOT,
+    Servers,
+    Stack,
+    _healthy,
+    free_port,
+    fresh_database,
+    rows_with_metadata,
+    wait_for,
+)
 from worker.keys import events_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -204,3 +217,38 @@ def test_followed_streams_stay_open_across_a_failover(failover: Failover) -> Non
     for events in failover.streams:
         assert_gapless_and_ended_once(events)
         assert events[-1].response.status == "completed"  # type: ignore[union-attr]
+
+
+def test_respool_up_with_sentinels_embeds_no_redis(
+    sentinels: SentinelSet, database: str, tmp_path: Path
+) -> None:
+    """`respool up` given the sentinels (and a Postgres) starts no Redis of its own and serves on the
+    sentinels' primary; Ctrl-C stops it."""
+    port = free_port()
+    env = _env(
+        Servers("", database),
+        RESPOOL_REDIS_SENTINELS=sentinels.sentinels,
+        RESPOOL_REDIS_SENTINEL_MASTER=MASTER,
+        RESPOOL_DATA_DIR=str(tmp_path),
+    )
+    del env["RESPOOL_REDIS_URL"]
+    argv = [sys.executable, "-m", "api", "up", "--port", str(port), "--workers", "1"]
+    with (tmp_path / "console").open("ab") as console:
+        process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url, process), timeout=90, what="respool up to listen")
+        with make_sdk(url, "unused") as client:
+            response = client.responses.create(model="synthetic", input="through the sentinels")
+        assert response.status == "completed"
+        assert not (tmp_path / "redis").exists()  # no embedded Redis
+        host, primary_port = sentinels.primary()
+        with Redis(host=host, port=primary_port, socket_timeout=5) as primary:
+            assert primary.exists(events_key(response.id))
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
