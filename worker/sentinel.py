@@ -225,6 +225,7 @@ class _FollowingPool(SentinelConnectionPool):
         if inuse_connections and self._watch is not None:  # closing: the watch goes with the pool
             self._watch.cancel()
             self._watch = None
+            await self.sentinel_manager.aclose()  # its clients connect again if the pool is used again
         await super().disconnect(inuse_connections)
 
     async def _follow(self) -> None:
@@ -290,6 +291,15 @@ class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
                     threading.Thread(target=self._follow_one, args=(kwargs_of,), daemon=True).start()
         return super().get_connection(*args, **kwargs)
 
+    def _drop_connections(self) -> None:
+        """Idle connections now; one in use as it comes back (closing a socket under another
+        thread's read breaks that read with errors that are no dropped connection's)."""
+        with self._lock:
+            in_use = list(self._in_use_connections)
+        for connection in in_use:
+            connection.mark_for_reconnect()
+        self.disconnect(inuse_connections=False)
+
     def _follow_one(self, kwargs: dict[str, Any]) -> None:
         while True:
             try:
@@ -299,7 +309,7 @@ class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
                         if message["type"] == "message" and self._failover.heard(
                             message["channel"].decode(), message["data"].decode()
                         ):
-                            self.disconnect(inuse_connections=True)
+                            self._drop_connections()
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 time.sleep(1)
 

@@ -29,7 +29,8 @@ def sentinels() -> Iterator[SentinelSet]:
 
 async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: SentinelSet) -> None:
     """INCRs sent every 20 ms through each way of sending, across SENTINEL FAILOVER: once the old
-    primary is a replica, each counter on the new primary equals the INCRs that were answered."""
+    primary is a replica, each counter on the new primary holds every INCR that was answered (and
+    at most those whose answer the failover cut off besides)."""
     url = sentinel_url(sentinels.sentinels, MASTER)
     client = connect(url, max_connections=4, timeout_seconds=2)
     held = HeldConnection(client)
@@ -41,6 +42,7 @@ async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: Se
         "sync": lambda: asyncio.to_thread(sync.incr, "sync"),
     }
     answered = dict.fromkeys(sends, 0)
+    unanswered = dict.fromkeys(sends, 0)  # may have run or not: their connection dropped mid-command
     await client.ping()  # each pool's first connection starts its watch of the sentinels
     sync.ping()
     listened = partial(sentinels.all_listened_to, 2)
@@ -53,8 +55,8 @@ async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: Se
             try:
                 await send()
                 answered[name] += 1
-            except RedisConnectionError:  # the failover's outage: not answered, so not counted
-                pass
+            except RedisConnectionError:  # the failover's outage
+                unanswered[name] += 1
         if stop_at is None and failing_over.done():
             stop_at = time.monotonic() + 2  # writes go on a while on the new primary
         await asyncio.sleep(0.02)
@@ -66,4 +68,5 @@ async def test_every_write_reported_done_across_a_failover_is_kept(sentinels: Se
     await asyncio.to_thread(sentinels.wait_demoted, before)
     with SyncRedis(host=after[0], port=after[1], socket_timeout=5) as primary:
         kept = {name: int(primary.get(name) or 0) for name in sends}
-    assert kept == answered
+    for name in sends:
+        assert answered[name] <= kept[name] <= answered[name] + unanswered[name], (name, kept, answered)
