@@ -244,7 +244,7 @@ def _require_redis(settings: Settings) -> None:
     except UnsupportedRedisError as exc:
         sys.exit(f"respool: cannot run on the Redis at RESPOOL_REDIS_URL: {exc}")
     finally:
-        client.close()
+        client.connection_pool.disconnect()  # the client does not own a pool it was given
 
 
 def up(settings: Settings) -> int:

@@ -42,7 +42,8 @@ def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) 
 
     A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
     each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
-    Behind Sentinel, a primary that is one no longer counts as dropped: the new one is asked for.
+    Behind Sentinel, a server that is no longer the primary counts as a dropped connection: the
+    command is sent once more to the primary the sentinels name.
     """
     pool = _pool(
         redis_url,

@@ -269,7 +269,8 @@ class _SyncFollowingProxy(sync_sentinel.SentinelConnectionPoolProxy):
 
 
 class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
-    """`_FollowingPool` for RQ's synchronous client: a daemon thread a sentinel listens to it."""
+    """`_FollowingPool` for RQ's synchronous client: a daemon thread listens to each sentinel, from
+    the pool's first checkout until it is closed (`disconnect()`)."""
 
     def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
@@ -279,17 +280,27 @@ class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
         )
         self.proxy.failover = self._failover
         self.connection_kwargs["connection_pool"] = self.proxy
-        self._watching = False
         self._watch_lock = threading.Lock()
+        self._stop: threading.Event | None = None  # set: the listening threads end
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         with self._watch_lock:
-            if not self._watching:
-                self._watching = True
+            if self._stop is None:
+                self._stop = threading.Event()
                 for sentinel in self.sentinel_manager.sentinels:
-                    kwargs_of = _listening(sentinel.connection_pool.connection_kwargs)
-                    threading.Thread(target=self._follow_one, args=(kwargs_of,), daemon=True).start()
+                    listening = _listening(sentinel.connection_pool.connection_kwargs)
+                    threading.Thread(
+                        target=self._follow_one, args=(listening, self._stop), daemon=True
+                    ).start()
         return super().get_connection(*args, **kwargs)
+
+    def disconnect(self, inuse_connections: bool = True) -> None:
+        if inuse_connections:  # closing: the listening goes with the pool
+            with self._watch_lock:
+                if self._stop is not None:
+                    self._stop.set()
+                    self._stop = None
+        super().disconnect(inuse_connections)
 
     def _drop_connections(self) -> None:
         """Idle connections now; one in use as it comes back (closing a socket under another
@@ -298,20 +309,27 @@ class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
             in_use = list(self._in_use_connections)
         for connection in in_use:
             connection.mark_for_reconnect()
-        self.disconnect(inuse_connections=False)
+        super().disconnect(inuse_connections=False)
 
-    def _follow_one(self, kwargs: dict[str, Any]) -> None:
-        while True:
+    def _follow_one(self, kwargs: dict[str, Any], stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
                 with SyncRedis(**kwargs) as sentinel, sentinel.pubsub() as pubsub:
                     pubsub.subscribe(*_EVENTS)
-                    for message in pubsub.listen():
-                        if message["type"] == "message" and self._failover.heard(
-                            message["channel"].decode(), message["data"].decode()
+                    while not stop.is_set():
+                        # a bounded wait, so a closed pool's thread ends (rarely: waking costs CPU)
+                        message = pubsub.get_message(timeout=_STOP_SECONDS)
+                        if (
+                            message
+                            and message["type"] == "message"
+                            and self._failover.heard(message["channel"].decode(), message["data"].decode())
                         ):
                             self._drop_connections()
             except (RedisConnectionError, RedisTimeoutError, OSError):
-                time.sleep(1)
+                stop.wait(1)
+
+
+_STOP_SECONDS = 10.0
 
 
 def async_pool(

@@ -58,7 +58,9 @@ def _answers(client: Redis) -> bool:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Redis]:
     """A one-node Redis Cluster holding every slot: a working cluster, to which respool says no."""
-    with redis_with("cluster-enabled yes", "cluster-config-file nodes.conf") as node:
+    # its bus on a free port of its own (by default the port plus 10000, which may be taken or past 65535)
+    bus = f"cluster-port {free_port()}"
+    with redis_with("cluster-enabled yes", "cluster-config-file nodes.conf", bus) as node:
         node.execute_command("CLUSTER ADDSLOTSRANGE", 0, 16383)
         wait_for(lambda: node.cluster("info")["cluster_state"] == "ok", what="the cluster to take commands")
         yield node
