@@ -14,6 +14,7 @@ sentinels still name the old primary it goes to the announced one (they switch o
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from redis.asyncio.sentinel import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger("respool.sentinel")
 
 SENTINEL_SCHEME = "redis+sentinel"
 _SENTINEL_PORT = 26379
@@ -245,6 +248,9 @@ class _FollowingPool(SentinelConnectionPool):
                                 await super().disconnect(inuse_connections=True)
                 except (RedisConnectionError, RedisTimeoutError, OSError):
                     await asyncio.sleep(1)  # that sentinel is away: the others are listened to meanwhile
+                except Exception:  # whatever it was, a pool that stops listening stops following
+                    log.exception("listening to the sentinel failed; listening again in 1 s")
+                    await asyncio.sleep(1)
         finally:
             await sentinel.aclose()
 
@@ -326,6 +332,9 @@ class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
                         ):
                             self._drop_connections()
             except (RedisConnectionError, RedisTimeoutError, OSError):
+                stop.wait(1)
+            except Exception:
+                log.exception("listening to the sentinel failed; listening again in 1 s")
                 stop.wait(1)
 
 
