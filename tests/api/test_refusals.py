@@ -18,7 +18,7 @@ from redis import Redis
 
 from tests.support.stack import ROOT, free_port, wait_for
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.once]  # servers of its own
 
 REDIS_SERVER = shutil.which("redis-server", path="/usr/bin:/bin") or "redis-server"
 # Never reached: each process is refused before it connects to Postgres.
