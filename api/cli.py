@@ -8,6 +8,7 @@ is started by its own command, so `up` runs exactly what a deployment runs, one 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 from worker import logs
 from worker.heap import frozen_imports
-from worker.settings import Settings
+from worker.settings import Settings, unknown_variables
 
 EXAMPLE = """\
   from openai import OpenAI
@@ -92,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(hash_key())
     settings = _settings(args)
     logs.configure(settings.log_format, settings.log_level)
+    for warning in unknown_variables(os.environ):
+        logging.getLogger("respool").warning(warning)
     if args.command in ("up", "api"):
         with frozen_imports():
             from api.auth import open_api_refusal
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "deliveries":
         sys.exit(show_deliveries(settings, args.response_id))
     elif args.command == "api":
+        _require_redis(settings)
         with frozen_imports():
             import uvicorn
 
@@ -134,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
             )
     elif args.command == "worker":
+        _require_redis(settings)
         with frozen_imports():
             from worker.runner.worker import run_worker
 
@@ -234,7 +239,24 @@ def _uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 def _require_servers(settings: Settings) -> None:
     if not settings.has_servers:
-        sys.exit("respool: set RESPOOL_REDIS_URL and RESPOOL_DATABASE_URL (or use `respool up`).")
+        sys.exit(
+            "respool: set RESPOOL_REDIS_URL (or RESPOOL_REDIS_SENTINELS) and RESPOOL_DATABASE_URL "
+            "(or use `respool up`)."
+        )
+
+
+def _require_redis(settings: Settings) -> None:
+    """Exit, saying why, if the Redis configured is one respool cannot run on (worker/compatibility.py)."""
+    from worker.compatibility import UnsupportedRedisError, check_redis
+    from worker.connections import sync_client
+
+    client = sync_client(settings.redis_url, settings.redis_timeout_seconds)
+    try:
+        check_redis(client)
+    except UnsupportedRedisError as exc:
+        sys.exit(f"respool: cannot run on the Redis at RESPOOL_REDIS_URL: {exc}")
+    finally:
+        client.connection_pool.disconnect()  # the client does not own a pool it was given
 
 
 def up(settings: Settings) -> int:
@@ -248,7 +270,9 @@ def up(settings: Settings) -> int:
     started: list[EmbeddedRedis | EmbeddedPostgres] = []
     try:
         supervisor = Supervisor()
-        if not settings.redis_url:
+        if settings.redis_url:
+            _require_redis(settings)
+        else:
             started.append(EmbeddedRedis.start(settings.data_dir, settings.redis_server))
             settings.redis_url = started[-1].url
             supervisor.watch("the embedded Redis", started[-1].process)

@@ -1,6 +1,9 @@
 """Every Redis client respool builds, in one place: each process's pooled asyncio client, a relay's
 blocking client, and RQ's synchronous one. Postgres engines are the store's (`worker.postgres.store`).
 
+A `redis+sentinel://` URL (docs/redis.md) makes each of them a client of the primary that the
+sentinels name, found again whenever a connection is made; every other URL is redis-py's own.
+
 Nothing connects here: a client connects on its first command.
 """
 
@@ -13,11 +16,23 @@ import hiredis
 from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worker.sentinel import async_pool, is_role_change, sentinel_address, sync_pool
+
+
+def _pool(
+    redis_url: str, pool_class: type[ConnectionPool], timeout_seconds: float, **kwargs: Any
+) -> ConnectionPool:
+    address = sentinel_address(redis_url)
+    if address is None:
+        return pool_class.from_url(redis_url, **kwargs)
+    return async_pool(address, timeout_seconds, is_blocking=pool_class is BlockingConnectionPool, **kwargs)
 
 
 def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) -> Redis:
@@ -27,9 +42,13 @@ def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) 
 
     A command that meets a dropped connection is sent once more on a new one: after Redis restarts,
     each pooled connection fails its next command (a timeout is not retried: Redis may have run it).
+    Behind Sentinel, a server that is no longer the primary counts as a dropped connection: the
+    command is sent once more to the primary the sentinels name.
     """
-    pool = BlockingConnectionPool.from_url(
+    pool = _pool(
         redis_url,
+        BlockingConnectionPool,
+        timeout_seconds,
         max_connections=max_connections,
         timeout=30,
         socket_connect_timeout=timeout_seconds,
@@ -42,22 +61,29 @@ def connect(redis_url: str, max_connections: int, timeout_seconds: float = 5.0) 
 def blocking_client(redis_url: str, block_seconds: float, timeout_seconds: float) -> Redis:
     """One connection for reads that block up to `block_seconds` (the tailer's XREAD): its read
     timeout is that plus `timeout_seconds` (a shorter one would cut every idle read short)."""
-    client = Redis.from_url(
+    pool = _pool(
         redis_url,
+        ConnectionPool,
+        timeout_seconds,
         max_connections=1,
         socket_connect_timeout=timeout_seconds,
         socket_timeout=block_seconds + timeout_seconds,
     )
-    hiredis_packing(client.connection_pool)
-    return client
+    return Redis(connection_pool=hiredis_packing(pool))
 
 
 def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRedis:
     """RQ's synchronous client (its queue, registries and worker loop); `timeout_seconds` bounds each
     connect and reply (None: RQ's own blocking pops need no bound)."""
-    return SyncRedis.from_url(
-        redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
+    address = sentinel_address(redis_url)
+    if address is None:
+        return SyncRedis.from_url(
+            redis_url, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
+        )
+    pool = sync_pool(
+        address, timeout_seconds, socket_connect_timeout=timeout_seconds, socket_timeout=timeout_seconds
     )
+    return SyncRedis(connection_pool=pool)
 
 
 async def bare_command(redis: Redis, *args: str | bytes | int | float) -> Any:
@@ -115,6 +141,7 @@ class HeldConnection:
 
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
+        self._follows_primary = isinstance(self._pool, SentinelConnectionPool)
         self._connection: Any = None
         self._busy = False
         self._timed_out = False
@@ -163,10 +190,14 @@ class HeldConnection:
         timer = None if not timeout else asyncio.get_running_loop().call_later(timeout, self._expire, writer)
         try:
             parser = connection._parser
-            return [await _parsed(parser) for _ in range(count)]
+            replies = [await _parsed(parser) for _ in range(count)]
         finally:
             if timer is not None:
                 timer.cancel()
+        if self._follows_primary and any(is_role_change(reply) for reply in replies):
+            # what `_PrimaryConnection` does for the pool's own reads, which this one bypasses
+            raise RedisConnectionError(f"{connection.host}:{connection.port} is no longer the primary")
+        return replies
 
     def _expire(self, writer: asyncio.StreamWriter) -> None:
         """The reply is overdue: close the connection under the read, which then fails."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +18,12 @@ class Settings(BaseSettings):
 
     # Where things are. Empty URLs mean "start the embedded servers" (`respool up`).
     redis_url: str = ""
+    # Redis behind Sentinel (docs/redis.md): the sentinels' comma-separated host:port list and the
+    # name they monitor the primary by, with the sentinels' own password if they ask for one. Set,
+    # they stand for RESPOOL_REDIS_URL (which a `redis+sentinel://` URL can say as well).
+    redis_sentinels: str = ""
+    redis_sentinel_master: str = ""
+    redis_sentinel_password: SecretStr | None = None
     database_url: str = ""
     data_dir: Path = Path(".respool")
     # The embedded Redis's binary (`respool up`): auto, bundled, or a path (api/up/embedded.py).
@@ -206,7 +214,59 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sentinels_name_the_redis(self) -> Settings:
+        """RESPOOL_REDIS_SENTINELS and its master become `redis_url`'s `redis+sentinel://` form, so
+        that every client (and every process `respool up` starts) is built from the one URL."""
+        from worker.sentinel import sentinel_address, sentinel_url
+
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("RESPOOL_REDIS_SENTINELS and RESPOOL_REDIS_SENTINEL_MASTER go together")
+        if self.redis_sentinels:
+            password = self.redis_sentinel_password
+            url = sentinel_url(
+                self.redis_sentinels,
+                self.redis_sentinel_master,
+                password.get_secret_value() if password else None,
+            )
+            if self.redis_url and self.redis_url != url:
+                raise ValueError("set RESPOOL_REDIS_URL or RESPOOL_REDIS_SENTINELS, not both")
+            self.redis_url = url
+        sentinel_address(self.redis_url)  # a malformed redis+sentinel:// URL is refused here
+        return self
+
     @property
     def has_servers(self) -> bool:
         """Whether external Redis and Postgres are configured (otherwise `up` embeds them)."""
         return bool(self.redis_url and self.database_url)
+
+
+# RESPOOL_* variables the project reads outside `Settings`: its tests', its benchmark's, the compose
+# file's. Not settings, but no misspelling either.
+PROJECT_VARIABLES = frozenset(
+    {
+        "RESPOOL_BENCH_LITELLM",
+        "RESPOOL_BENCH_WEBHOOK_SECRET",
+        "RESPOOL_IMAGE",
+        "RESPOOL_OPENRESPONSES_SCHEMA",
+        "RESPOOL_TEST_CODEX",
+        "RESPOOL_TEST_UPSTREAM_KEY",
+        "RESPOOL_TEST_VAULT_AUTHORIZATION",
+        "RESPOOL_TOML",
+    }
+)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each `RESPOOL_*` variable in `environ` that respool does not read, naming the
+    nearest setting: `extra="ignore"` would otherwise drop a misspelled one without a word."""
+    known = {f"RESPOOL_{name.upper()}" for name in Settings.model_fields}
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith("RESPOOL_") or name in known or name in PROJECT_VARIABLES:
+            continue
+        # compared without the prefix they share, which would make every name look near
+        nearest = difflib.get_close_matches(name[8:], [known_name[8:] for known_name in known], n=1)
+        hint = f" (did you mean RESPOOL_{nearest[0]}?)" if nearest else ""
+        warnings.append(f"{name} is not a respool setting{hint}: it is ignored")
+    return warnings
