@@ -5,9 +5,13 @@ stream: a new subscriber XADDs to it, so the blocked read returns and the next o
 new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
 between the replay and the live tail.
 
-A failed read ends every live subscriber with a Redis error: while Redis is unreachable nobody can
-tell what is being missed (or, if it comes back empty, lost), so readers end at once and resume
-with `starting_after` instead of waiting on a stream that may never move again.
+A read that fails because Redis is unreachable ends nobody: the tailer tries again with backoff,
+each subscriber keeping its cursor (the exact id it has), and once Redis answers every subscriber
+continues from there, missing and repeating nothing (a managed failover takes tens of seconds).
+Only an outage longer than `outage_seconds` ends them, with a `TailLostError` that says how long
+Redis was away. When Redis answers again, each followed stream is asked whether it still exists:
+a Redis that came back without its data would leave its subscribers waiting on streams that no
+longer move, so theirs end too. Any other failed read (not an outage) ends every subscriber at once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from worker.events.stream import (
     read_events_observed,
 )
 from worker.keys import events_key, wake_key
+from worker.outages import is_redis_outage
 
 log = logging.getLogger("respool.tailer")
 
@@ -44,6 +49,9 @@ TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
 # renews that once every `_WAKE_RENEW_SECONDS`, not at every poke.
 _WAKE_TTL_SECONDS = 3600
 _WAKE_RENEW_SECONDS = 600.0
+# How soon, then how often at most, a read is tried again while Redis is unreachable.
+_RETRY_FIRST_SECONDS = 0.25
+_RETRY_MAX_SECONDS = 2.0
 
 
 # A stream entry as Redis sends it: its id and its fields, `[name, value, ...]`.
@@ -55,6 +63,17 @@ class _Idle:
 
 
 _IDLE: Final = _Idle()
+
+
+class TailLostError(RedisConnectionError):
+    """The live tail cannot go on for a subscriber: Redis was unreachable longer than the bound, or
+    it came back without the subscriber's stream (then its events cannot be resumed:
+    `is_resumable` is false). An outage (a ConnectionError) to the API's boundary; its message,
+    for the client, says which."""
+
+    def __init__(self, message: str, *, is_resumable: bool) -> None:
+        super().__init__(message)
+        self.is_resumable = is_resumable
 
 
 class Passthrough:
@@ -129,6 +148,8 @@ class Tailer:
         block_ms: int = 10_000,
         finishing_seconds: float = 10.0,
         batch_seconds: float = 0.0,
+        outage_seconds: float = 60.0,
+        timeout_seconds: float = 5.0,
     ) -> None:
         self._redis = redis  # the process's pool: replays and wake-ups
         self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
@@ -139,6 +160,10 @@ class Tailer:
         self._finishing_seconds = finishing_seconds
         # Under load, reads go no more often than this (DESIGN.md §7): see `_run`.
         self._batch_seconds = batch_seconds
+        # How long subscribers wait for an unreachable Redis (RESPOOL_REDIS_OUTAGE_SECONDS), and
+        # how long one try to reach it again may take (RESPOOL_REDIS_TIMEOUT_SECONDS).
+        self._outage_seconds = outage_seconds
+        self._timeout_seconds = timeout_seconds
         self._wake = wake_key(uuid.uuid4().hex)
         self._wake_position = "0-0"
         self._wake_pending = False  # a poke went since the keys of the next read were taken
@@ -241,6 +266,8 @@ class Tailer:
                 if isinstance(item, _Idle):
                     yield None
                     continue
+                if isinstance(item, TailLostError):
+                    raise TailLostError(str(item), is_resumable=item.is_resumable) from item
                 if isinstance(item, RedisError):
                     raise RedisConnectionError(f"the live tail lost Redis: {item}") from item
                 yield item
@@ -311,14 +338,8 @@ class Tailer:
                     if wait > 0:
                         await asyncio.sleep(wait)
             except RedisError as exc:
-                log.warning(
-                    "tailer: reading streams failed (%r): ending %d live readers; retrying in 1 s",
-                    exc,
-                    sum(len(subscribers) for subscribers in self._subscribers.values()),
-                )
-                self._end_all(exc)
-                self._wake_renew_at = -math.inf
-                await asyncio.sleep(1)
+                await self._after_failed_read(exc)
+                self._wake_renew_at = -math.inf  # a Redis that restarted may hold a new wake-up key
 
     async def _read_once(self) -> int:
         """One XREAD over every followed stream; how many of them it brought events."""
@@ -347,6 +368,68 @@ class Tailer:
             self._deliver(name, entries)
         return brought
 
+    async def _after_failed_read(self, exc: RedisError) -> None:
+        """Wait for Redis to answer again, every subscriber kept, for up to `outage_seconds`; then
+        end those whose streams it no longer has. Past the bound, end every subscriber. An error
+        that is not an outage ends them all at once."""
+        if not is_redis_outage(exc):
+            log.warning("tailer: reading streams failed (%r): ending %d live readers", exc, self._count())
+            self._end_all(exc)
+            await asyncio.sleep(1)
+            return
+        loop = asyncio.get_running_loop()
+        began, bound = loop.time(), self._outage_seconds
+        log.warning(
+            "tailer: Redis is unreachable (%r): %d live readers wait for it, up to %g s",
+            exc,
+            self._count(),
+            bound,
+        )
+        delay = min(_RETRY_FIRST_SECONDS, bound)
+        while (away := loop.time() - began) < bound:
+            await asyncio.sleep(delay)
+            try:
+                gone = await asyncio.wait_for(self._gone_streams(), self._timeout_seconds)
+            except (RedisError, TimeoutError) as failed:
+                if isinstance(failed, RedisError) and not is_redis_outage(failed):
+                    log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
+                    self._end_all(failed)
+                    return
+                delay = max(0.0, min(delay * 2, _RETRY_MAX_SECONDS, bound - (loop.time() - began)))
+                continue
+            log.warning(
+                "tailer: Redis answers again after %.1f s: %d live readers continue",
+                loop.time() - began,
+                self._count(),
+            )
+            for key in gone:
+                self._end_key(key, TailLostError(_GONE, is_resumable=False))
+            return
+        log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
+        self._end_all(TailLostError(_unreachable(away, bound), is_resumable=True))
+
+    async def _gone_streams(self) -> list[str]:
+        """Which followed streams Redis no longer has, in one round trip on the read's connection
+        (its first since the failed read: that Redis answers at all is what it tells first). Every
+        followed stream exists from its response's enqueue, which writes its first events."""
+        keys = list(self._subscribers)
+        if not keys:
+            await self._reads.command("PING")
+            return []
+        exists = await self._reads.pipeline(*[("EXISTS", key) for key in keys])
+        for reply in exists:
+            if isinstance(reply, Exception):
+                raise reply
+        return [key for key, reply in zip(keys, exists, strict=True) if not reply]
+
+    def _count(self) -> int:
+        return sum(len(subscribers) for subscribers in self._subscribers.values())
+
+    def _end_key(self, key: str, exc: RedisError) -> None:
+        """End the subscribers of one stream with `exc`."""
+        for subscriber in self._subscribers.pop(key, ()):
+            subscriber.queue.put_nowait(exc)
+
     def _end_all(self, exc: RedisError) -> None:
         """End every live subscriber with `exc`, after the events already delivered to it."""
         for subscribers in self._subscribers.values():
@@ -374,3 +457,13 @@ class Tailer:
                     subscriber.queue.put_nowait(event)
             if written:
                 subscriber.taken_at = asyncio.get_running_loop().time()  # no silence to hear of
+
+
+_GONE = "Redis came back without this response's events (it lost its data)."
+
+
+def _unreachable(away: float, bound: float) -> str:
+    return (
+        f"Redis was unreachable for {away:.0f} s, longer than this server waits for it "
+        f"({bound:g} s, RESPOOL_REDIS_OUTAGE_SECONDS)."
+    )
