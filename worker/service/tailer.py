@@ -378,35 +378,48 @@ class Tailer:
             await asyncio.sleep(1)
             return
         loop = asyncio.get_running_loop()
-        began, bound = loop.time(), self._outage_seconds
+        began = loop.time()
         log.warning(
             "tailer: Redis is unreachable (%r): %d live readers wait for it, up to %g s",
             exc,
             self._count(),
-            bound,
+            self._outage_seconds,
         )
-        delay = min(_RETRY_FIRST_SECONDS, bound)
-        while (away := loop.time() - began) < bound:
-            await asyncio.sleep(delay)
+        try:
+            gone = await self._reach_again(began)
+        except RedisError as failed:
+            log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
+            self._end_all(failed)
+            return
+        away = loop.time() - began
+        if gone is None:
+            log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
+            self._end_all(TailLostError(_unreachable(away, self._outage_seconds), is_resumable=True))
+            return
+        for key in gone:
+            self._end_key(key, TailLostError(_GONE, is_resumable=False))
+        log.warning(
+            "tailer: Redis answers again after %.1f s: %d live readers continue; it lost %d of their streams",
+            away,
+            self._count(),
+            len(gone),
+        )
+
+    async def _reach_again(self, began: float) -> list[str] | None:
+        """Try Redis with backoff, each try bounded by `timeout_seconds`, until it answers (then the
+        followed streams it no longer has) or `outage_seconds` have passed since `began` (None). An
+        error reply that is no outage is raised."""
+        loop = asyncio.get_running_loop()
+        delay = min(_RETRY_FIRST_SECONDS, self._outage_seconds)
+        while (left := self._outage_seconds - (loop.time() - began)) > 0:
+            await asyncio.sleep(min(delay, left))
             try:
-                gone = await asyncio.wait_for(self._gone_streams(), self._timeout_seconds)
+                return await asyncio.wait_for(self._gone_streams(), self._timeout_seconds)
             except (RedisError, TimeoutError) as failed:
                 if isinstance(failed, RedisError) and not is_redis_outage(failed):
-                    log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
-                    self._end_all(failed)
-                    return
-                delay = max(0.0, min(delay * 2, _RETRY_MAX_SECONDS, bound - (loop.time() - began)))
-                continue
-            log.warning(
-                "tailer: Redis answers again after %.1f s: %d live readers continue",
-                loop.time() - began,
-                self._count(),
-            )
-            for key in gone:
-                self._end_key(key, TailLostError(_GONE, is_resumable=False))
-            return
-        log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
-        self._end_all(TailLostError(_unreachable(away, bound), is_resumable=True))
+                    raise
+            delay = min(delay * 2, _RETRY_MAX_SECONDS)
+        return None
 
     async def _gone_streams(self) -> list[str]:
         """Which followed streams Redis no longer has, in one round trip on the read's connection
