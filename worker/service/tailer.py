@@ -266,9 +266,9 @@ class Tailer:
                 if isinstance(item, _Idle):
                     yield None
                     continue
-                if isinstance(item, TailLostError):
-                    raise TailLostError(str(item), is_resumable=item.is_resumable) from item
                 if isinstance(item, RedisError):
+                    if isinstance(item, TailLostError):
+                        raise TailLostError(str(item), is_resumable=item.is_resumable) from item
                     raise RedisConnectionError(f"the live tail lost Redis: {item}") from item
                 yield item
                 if item.is_terminal:
