@@ -9,9 +9,10 @@ A read that fails because Redis is unreachable ends nobody: the tailer tries aga
 each subscriber keeping its cursor (the exact id it has), and once Redis answers every subscriber
 continues from there, missing and repeating nothing (a managed failover takes tens of seconds).
 Only an outage longer than `outage_seconds` ends them, with a `TailLostError` that says how long
-Redis was away. When Redis answers again, each followed stream is asked whether it still exists:
-a Redis that came back without its data would leave its subscribers waiting on streams that no
-longer move, so theirs end too. Any other failed read (not an outage) ends every subscriber at once.
+Redis was away. When Redis answers again, each followed stream is asked whether it is still the
+one its subscribers were reading: a Redis that came back without its data would leave them waiting
+on streams that no longer move (or began anew, below their cursors), so theirs end too; a quiet
+stream is asked the same at each of its follower's idle cues, should a restart go unseen. Any other failed read (not an outage) ends every subscriber at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from worker.events.stream import (
     last_event,
     read_events,
     read_events_observed,
+    sequence_of,
 )
 from worker.keys import events_key, wake_key
 from worker.outages import is_redis_outage
@@ -170,6 +172,7 @@ class Tailer:
         self._wake_renew_at = -math.inf
         self._subscribers: dict[str, set[_Subscriber]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._is_reaching = False  # a read failed, and Redis has not answered since
 
     async def start(self) -> None:
         """Start relaying. With Redis unreachable the process starts all the same (its routes answer
@@ -265,6 +268,8 @@ class Tailer:
                 subscriber.taken_at = asyncio.get_running_loop().time()
                 if isinstance(item, _Idle):
                     yield None
+                    if until is None and await self._is_lost(response_id, subscriber.position):
+                        raise TailLostError(_LOST, is_resumable=False)
                     continue
                 if isinstance(item, RedisError):
                     if isinstance(item, TailLostError):
@@ -385,55 +390,77 @@ class Tailer:
             self._count(),
             self._outage_seconds,
         )
+        self._is_reaching = True
         try:
-            gone = await self._reach_again(began)
+            lost = await self._reach_again(began)
         except RedisError as failed:
             log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
             self._end_all(failed)
             return
+        finally:
+            self._is_reaching = False
         away = loop.time() - began
-        if gone is None:
+        if lost is None:
             log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
             self._end_all(TailLostError(_unreachable(away, self._outage_seconds), is_resumable=True))
             return
-        for key in gone:
-            self._end_key(key, TailLostError(_GONE, is_resumable=False))
+        for key in lost:
+            self._end_key(key, TailLostError(_LOST, is_resumable=False))
         log.warning(
             "tailer: Redis answers again after %.1f s: %d live readers continue; it lost %d of their streams",
             away,
             self._count(),
-            len(gone),
+            len(lost),
         )
 
     async def _reach_again(self, began: float) -> list[str] | None:
         """Try Redis with backoff, each try bounded by `timeout_seconds`, until it answers (then the
-        followed streams it no longer has) or `outage_seconds` have passed since `began` (None). An
+        followed streams it lost: `_lost_streams`) or `outage_seconds` have passed since `began` (None). An
         error reply that is no outage is raised."""
         loop = asyncio.get_running_loop()
         delay = min(_RETRY_FIRST_SECONDS, self._outage_seconds)
         while (left := self._outage_seconds - (loop.time() - began)) > 0:
             await asyncio.sleep(min(delay, left))
             try:
-                return await asyncio.wait_for(self._gone_streams(), self._timeout_seconds)
+                return await asyncio.wait_for(self._lost_streams(), self._timeout_seconds)
             except (RedisError, TimeoutError) as failed:
                 if isinstance(failed, RedisError) and not is_redis_outage(failed):
                     raise
             delay = min(delay * 2, _RETRY_MAX_SECONDS)
         return None
 
-    async def _gone_streams(self) -> list[str]:
-        """Which followed streams Redis no longer has, in one round trip on the read's connection
-        (its first since the failed read: that Redis answers at all is what it tells first). Every
-        followed stream exists from its response's enqueue, which writes its first events."""
+    async def _lost_streams(self) -> list[str]:
+        """Which followed streams Redis no longer has as their subscribers were reading them, in
+        one round trip on the read's connection (its first since the failed read: that Redis
+        answers at all is what it tells first): a stream gone (every followed stream exists from
+        its response's enqueue, which writes its first events), or one whose newest event comes
+        before what a subscriber has (begun anew on a Redis that lost the old one)."""
         keys = list(self._subscribers)
         if not keys:
             await self._reads.command("PING")
             return []
-        exists = await self._reads.pipeline(*[("EXISTS", key) for key in keys])
-        for reply in exists:
-            if isinstance(reply, Exception):
-                raise reply
-        return [key for key, reply in zip(keys, exists, strict=True) if not reply]
+        newest = await self._reads.pipeline(*[("XREVRANGE", key, "+", "-", "COUNT", 1) for key in keys])
+        lost = []
+        for key, entries in zip(keys, newest, strict=True):
+            if isinstance(entries, Exception):
+                raise entries
+            had = min(subscriber.position for subscriber in self._subscribers[key])
+            if not entries or sequence_of(entries[0][0]) < had:
+                lost.append(key)
+        return lost
+
+    async def _is_lost(self, response_id: str, position: int) -> bool:
+        """Whether a quiet stream is lost (as `_lost_streams` tells), asked at its follower's idle
+        cue: a Redis that restarted empty between two reads, unseen by the tail (its connection
+        came back at once), would leave the follower waiting for ever. Not while the tail waits for
+        Redis, nor if Redis does not answer: the tail's own failed read deals with an outage."""
+        if self._is_reaching:
+            return False
+        try:
+            newest = await last_event(self._redis, response_id)
+        except RedisError:
+            return False
+        return newest is None or newest.sequence_number < position
 
     def _count(self) -> int:
         return sum(len(subscribers) for subscribers in self._subscribers.values())
@@ -472,7 +499,7 @@ class Tailer:
                 subscriber.taken_at = asyncio.get_running_loop().time()  # no silence to hear of
 
 
-_GONE = "Redis came back without this response's events (it lost its data)."
+_LOST = "Redis came back without this response's events (it lost its data)."
 
 
 def _unreachable(away: float, bound: float) -> str:

@@ -48,11 +48,13 @@ async def _tailer(servers: Restartable, redis: Redis, outage_seconds: float) -> 
     return tailer
 
 
-async def _live_follower(tailer: Tailer, redis: Redis, response_id: str) -> AsyncIterator[Event | None]:
+async def _live_follower(
+    tailer: Tailer, redis: Redis, response_id: str, idle_seconds: float | None = IDLE_SECONDS
+) -> AsyncIterator[Event | None]:
     """A follower of a new stream (its first event appended, as a create does), taken past its
     replay and its first live event: it is one of the tailer's subscribers."""
     await _append(redis, response_id, 0, "response.created")
-    events = tailer.follow(response_id, idle_seconds=IDLE_SECONDS)
+    events = tailer.follow(response_id, idle_seconds=idle_seconds)
     first, _ = await _until_event(events, 10)
     assert first.sequence_number == 0
     live = asyncio.ensure_future(_until_event(events, 10))
@@ -148,5 +150,56 @@ async def test_a_follower_whose_stream_redis_lost_ends(servers: Restartable, red
             await waiting
         assert not caught.value.is_resumable
         assert "lost its data" in str(caught.value)
+    finally:
+        await tailer.stop()
+
+
+async def test_a_follower_whose_stream_began_anew_below_its_cursor_ends(
+    servers: Restartable, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis back without its data, and the stream written anew before the tailer looks (as a
+    recovery ends a lost response with its terminal event alone): its newest event comes before
+    the follower's cursor, so the follower (one with no idle cues, as a foreground create's wait)
+    ends instead of waiting for numbers that never come."""
+    tailer = await _tailer(servers, redis, outage_seconds=30)
+    lost_streams, may_look = tailer._lost_streams, asyncio.Event()
+
+    async def after_the_rewrite() -> list[str]:
+        await may_look.wait()
+        return await lost_streams()
+
+    monkeypatch.setattr(tailer, "_lost_streams", after_the_rewrite)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        events = await _live_follower(tailer, redis, response_id, idle_seconds=None)
+        servers.stop_redis()
+        waiting = asyncio.ensure_future(_until_event(events, 20))
+        await asyncio.sleep(0.5)  # the tail's read fails: it waits for Redis
+        servers.start_redis(is_empty=True)
+        await _append(redis, response_id, 0, "response.failed")
+        may_look.set()
+        with pytest.raises(TailLostError) as caught:
+            await waiting
+        assert not caught.value.is_resumable
+    finally:
+        await tailer.stop()
+
+
+async def test_a_follower_ends_when_a_restart_the_tail_never_saw_lost_its_stream(
+    servers: Restartable, redis: Redis
+) -> None:
+    """Redis stopped and started empty while the loop runs nothing else (the tail's connection comes
+    back at once, its read never fails), its stream written anew with its terminal event alone:
+    the follower's next idle cue finds its stream lost, and it ends rather than waiting for ever."""
+    tailer = await _tailer(servers, redis, outage_seconds=30)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        events = await _live_follower(tailer, redis, response_id)
+        servers.stop_redis()
+        servers.start_redis(is_empty=True)
+        await _append(redis, response_id, 0, "response.failed")
+        with pytest.raises(TailLostError) as caught:
+            await _until_event(events, 10)
+        assert not caught.value.is_resumable
     finally:
         await tailer.stop()
