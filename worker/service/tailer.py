@@ -102,6 +102,13 @@ class _Subscriber:
     taken_at: float = 0.0  # the loop time its reader last took something from `queue`
     passthrough: Passthrough | None = None
     waiting: bool = False  # its reader waits on an empty `queue`: its events may pass through
+    # A `position` its stream has not shown (a cursor past its end, or none): no sign of a stream
+    # lost while the subscriber is still there (`is_behind`).
+    unseen: int = -1
+
+    def is_behind(self, newest: int) -> bool:
+        """Whether this subscriber has an event newer than the stream's newest (`newest`)."""
+        return self.position != self.unseen and self.position > newest
 
 
 async def _take_until(
@@ -249,6 +256,8 @@ class Tailer:
             until = asyncio.get_running_loop().time() + self._finishing_seconds
         # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
         subscriber = await self._subscribe(response_id, position)
+        if position == after:  # nothing replayed: its cursor is the client's own (or none)
+            subscriber.unseen = position
         if until is None:
             subscriber.passthrough = passthrough
         timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
@@ -268,7 +277,7 @@ class Tailer:
                 subscriber.taken_at = asyncio.get_running_loop().time()
                 if isinstance(item, _Idle):
                     yield None
-                    if until is None and await self._is_lost(response_id, subscriber.position):
+                    if until is None and await self._is_lost(response_id, subscriber):
                         raise TailLostError(_LOST, is_resumable=False)
                     continue
                 if isinstance(item, RedisError):
@@ -439,17 +448,18 @@ class Tailer:
         if not keys:
             await self._reads.command("PING")
             return []
-        newest = await self._reads.pipeline(*[("XREVRANGE", key, "+", "-", "COUNT", 1) for key in keys])
+        replies = await self._reads.pipeline(*[("XREVRANGE", key, "+", "-", "COUNT", 1) for key in keys])
         lost = []
-        for key, entries in zip(keys, newest, strict=True):
+        for key, entries in zip(keys, replies, strict=True):
             if isinstance(entries, Exception):
                 raise entries
-            had = min(subscriber.position for subscriber in self._subscribers[key])
-            if not entries or sequence_of(entries[0][0]) < had:
+            if not entries or any(
+                subscriber.is_behind(sequence_of(entries[0][0])) for subscriber in self._subscribers[key]
+            ):
                 lost.append(key)
         return lost
 
-    async def _is_lost(self, response_id: str, position: int) -> bool:
+    async def _is_lost(self, response_id: str, subscriber: _Subscriber) -> bool:
         """Whether a quiet stream is lost (as `_lost_streams` tells), asked at its follower's idle
         cue: a Redis that restarted empty between two reads, unseen by the tail (its connection
         came back at once), would leave the follower waiting for ever. Not while the tail waits for
@@ -460,7 +470,7 @@ class Tailer:
             newest = await last_event(self._redis, response_id)
         except RedisError:
             return False
-        return newest is None or newest.sequence_number < position
+        return newest is None or subscriber.is_behind(newest.sequence_number)
 
     def _count(self) -> int:
         return sum(len(subscribers) for subscribers in self._subscribers.values())

@@ -203,3 +203,22 @@ async def test_a_follower_ends_when_a_restart_the_tail_never_saw_lost_its_stream
         assert not caught.value.is_resumable
     finally:
         await tailer.stop()
+
+
+async def test_a_quiet_follower_is_not_taken_for_lost(servers: Restartable, redis: Redis) -> None:
+    """A follower of a stream that exists but is quiet, even one whose cursor is past its end (a
+    client's `starting_after` ahead of a live response), hears idle cues and nothing else, then
+    the events after its cursor when they come."""
+    tailer = await _tailer(servers, redis, outage_seconds=30)
+    try:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        await _append(redis, response_id, 0, "response.created")
+        events = tailer.follow(response_id, after=2, idle_seconds=IDLE_SECONDS)
+        waiting = asyncio.ensure_future(_until_event(events, 10))
+        await asyncio.sleep(4 * IDLE_SECONDS)
+        for sequence_number in (1, 2, 3):
+            await _append(redis, response_id, sequence_number)
+        event, idle = await waiting
+        assert (event.sequence_number, idle >= 2) == (3, True)
+    finally:
+        await tailer.stop()
