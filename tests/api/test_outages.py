@@ -317,8 +317,8 @@ class TestRedisDown(_StackOfItsOwn):
             scene.raw = pool.submit(read_raw_stream, faulty, scene.in_flight[-1], started)
             assert started.wait(CLIENT_TIMEOUT), "no event came on the raw stream"
             scene.foreground, scene.foreground_id = start_foreground(pool, servers, patient_sdk)
+            scene.stopped_at = time.monotonic()  # before the API can notice
             servers.stop_redis()
-            scene.stopped_at = time.monotonic()
             yield scene
         if servers.redis is None:
             servers.start_redis()
@@ -407,8 +407,8 @@ class TestRedisDownPastTheBound(_StackOfItsOwn):
             scene.readers[response_id] = pool.submit(read_stream, patient_sdk, response_id, started)
             assert started.wait(CLIENT_TIMEOUT), f"no event came on {response_id}'s stream"
             scene.foreground, scene.foreground_id = start_foreground(pool, servers, patient_sdk)
+            scene.stopped_at = time.monotonic()  # before the API can notice
             servers.stop_redis()
-            scene.stopped_at = time.monotonic()
             yield scene
         if servers.redis is None:
             servers.start_redis()
