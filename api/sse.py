@@ -26,7 +26,8 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from worker.errors import UnavailableError
 from worker.events.stream import Event
 from worker.outages import as_unavailable
-from worker.service.tailer import Passthrough, TailLostError
+from worker.service.tail_outage import TailLostError
+from worker.service.tailer import Passthrough
 
 log = logging.getLogger("respool.sse")
 

@@ -12,7 +12,7 @@ from openai.types.responses import ResponseErrorEvent
 from api.sse import error_frame
 from tests.support.schema import validate_event
 from worker.outages import as_unavailable, is_redis_outage
-from worker.service.tailer import TailLostError
+from worker.service.tail_outage import TailLostError
 
 UNREACHABLE = "Redis was unreachable for 61 s, longer than this server waits for it (60 s, RESPOOL_REDIS_OUTAGE_SECONDS)."
 LOST = "Redis came back without this response's events (it lost its data)."

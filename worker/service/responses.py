@@ -57,7 +57,8 @@ from worker.service import chains
 from worker.service.cancellation import CANCEL_FLAG_SECONDS, Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
-from worker.service.tailer import TAILER_BLOCK_MS, Passthrough, Tailer, TailLostError
+from worker.service.tail_outage import TailLostError
+from worker.service.tailer import TAILER_BLOCK_MS, Passthrough, Tailer
 from worker.settings import Settings
 from worker.translation import chat_request, native
 from worker.webhooks import Notifier

@@ -5,14 +5,9 @@ stream: a new subscriber XADDs to it, so the blocked read returns and the next o
 new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
 between the replay and the live tail.
 
-A read that fails because Redis is unreachable ends nobody: the tailer tries again with backoff,
-each subscriber keeping its cursor (the exact id it has), and once Redis answers every subscriber
-continues from there, missing and repeating nothing (a managed failover takes tens of seconds).
-Only an outage longer than `outage_seconds` ends them, with a `TailLostError` that says how long
-Redis was away. When Redis answers again, each followed stream is asked whether it is still the
-one its subscribers were reading: a Redis that came back without its data would leave them waiting
-on streams that no longer move (or began anew, below their cursors), so theirs end too; a quiet
-stream is asked the same at each of its follower's idle cues, should a restart go unseen. Any other failed read (not an outage) ends every subscriber at once.
+A read that fails because Redis is unreachable ends nobody: subscribers wait, for up to
+`outage_seconds`, and continue from their cursors once it answers; a stream Redis lost ends its
+subscribers (worker/service/tail_outage.py). Any other failed read ends every subscriber at once.
 """
 
 from __future__ import annotations
@@ -38,10 +33,11 @@ from worker.events.stream import (
     last_event,
     read_events,
     read_events_observed,
-    sequence_of,
 )
 from worker.keys import events_key, wake_key
 from worker.outages import is_redis_outage
+from worker.service import tail_outage
+from worker.service.tail_outage import LOST, TailLostError
 
 log = logging.getLogger("respool.tailer")
 
@@ -51,9 +47,6 @@ TAILER_BLOCK_MS = 10_000  # how long one XREAD of the tailer's blocks
 # renews that once every `_WAKE_RENEW_SECONDS`, not at every poke.
 _WAKE_TTL_SECONDS = 3600
 _WAKE_RENEW_SECONDS = 600.0
-# How soon, then how often at most, a read is tried again while Redis is unreachable.
-_RETRY_FIRST_SECONDS = 0.25
-_RETRY_MAX_SECONDS = 2.0
 
 
 # A stream entry as Redis sends it: its id and its fields, `[name, value, ...]`.
@@ -65,17 +58,6 @@ class _Idle:
 
 
 _IDLE: Final = _Idle()
-
-
-class TailLostError(RedisConnectionError):
-    """The live tail cannot go on for a subscriber: Redis was unreachable longer than the bound, or
-    it came back without the subscriber's stream (then its events cannot be resumed:
-    `is_resumable` is false). An outage (a ConnectionError) to the API's boundary; its message,
-    for the client, says which."""
-
-    def __init__(self, message: str, *, is_resumable: bool) -> None:
-        super().__init__(message)
-        self.is_resumable = is_resumable
 
 
 class Passthrough:
@@ -278,7 +260,7 @@ class Tailer:
                 if isinstance(item, _Idle):
                     yield None
                     if until is None and await self._is_lost(response_id, subscriber):
-                        raise TailLostError(_LOST, is_resumable=False)
+                        raise TailLostError(LOST, is_resumable=False)
                     continue
                 if isinstance(item, RedisError):
                     if isinstance(item, TailLostError):
@@ -401,7 +383,9 @@ class Tailer:
         )
         self._is_reaching = True
         try:
-            lost = await self._reach_again(began)
+            lost = await tail_outage.reach_again(
+                self._reads, self._subscribers, began, self._outage_seconds, self._timeout_seconds
+            )
         except RedisError as failed:
             log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
             self._end_all(failed)
@@ -411,10 +395,11 @@ class Tailer:
         away = loop.time() - began
         if lost is None:
             log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
-            self._end_all(TailLostError(_unreachable(away, self._outage_seconds), is_resumable=True))
+            message = tail_outage.unreachable(away, self._outage_seconds)
+            self._end_all(TailLostError(message, is_resumable=True))
             return
         for key in lost:
-            self._end_key(key, TailLostError(_LOST, is_resumable=False))
+            self._end_key(key, TailLostError(LOST, is_resumable=False))
         log.warning(
             "tailer: Redis answers again after %.1f s: %d live readers continue; it lost %d of their streams",
             away,
@@ -422,45 +407,8 @@ class Tailer:
             len(lost),
         )
 
-    async def _reach_again(self, began: float) -> list[str] | None:
-        """Try Redis with backoff, each try bounded by `timeout_seconds`, until it answers (then the
-        followed streams it lost: `_lost_streams`) or `outage_seconds` have passed since `began` (None). An
-        error reply that is no outage is raised."""
-        loop = asyncio.get_running_loop()
-        delay = min(_RETRY_FIRST_SECONDS, self._outage_seconds)
-        while (left := self._outage_seconds - (loop.time() - began)) > 0:
-            await asyncio.sleep(min(delay, left))
-            try:
-                return await asyncio.wait_for(self._lost_streams(), self._timeout_seconds)
-            except (RedisError, TimeoutError) as failed:
-                if isinstance(failed, RedisError) and not is_redis_outage(failed):
-                    raise
-            delay = min(delay * 2, _RETRY_MAX_SECONDS)
-        return None
-
-    async def _lost_streams(self) -> list[str]:
-        """Which followed streams Redis no longer has as their subscribers were reading them, in
-        one round trip on the read's connection (its first since the failed read: that Redis
-        answers at all is what it tells first): a stream gone (every followed stream exists from
-        its response's enqueue, which writes its first events), or one whose newest event comes
-        before what a subscriber has (begun anew on a Redis that lost the old one)."""
-        keys = list(self._subscribers)
-        if not keys:
-            await self._reads.command("PING")
-            return []
-        replies = await self._reads.pipeline(*[("XREVRANGE", key, "+", "-", "COUNT", 1) for key in keys])
-        lost = []
-        for key, entries in zip(keys, replies, strict=True):
-            if isinstance(entries, Exception):
-                raise entries
-            if not entries or any(
-                subscriber.is_behind(sequence_of(entries[0][0])) for subscriber in self._subscribers[key]
-            ):
-                lost.append(key)
-        return lost
-
     async def _is_lost(self, response_id: str, subscriber: _Subscriber) -> bool:
-        """Whether a quiet stream is lost (as `_lost_streams` tells), asked at its follower's idle
+        """Whether a quiet stream is lost (`tail_outage.is_lost`), asked at its follower's idle
         cue: a Redis that restarted empty between two reads, unseen by the tail (its connection
         came back at once), would leave the follower waiting for ever. Not while the tail waits for
         Redis, nor if Redis does not answer: the tail's own failed read deals with an outage."""
@@ -470,7 +418,7 @@ class Tailer:
             newest = await last_event(self._redis, response_id)
         except RedisError:
             return False
-        return newest is None or subscriber.is_behind(newest.sequence_number)
+        return tail_outage.is_lost(newest, subscriber)
 
     def _count(self) -> int:
         return sum(len(subscribers) for subscribers in self._subscribers.values())
@@ -507,13 +455,3 @@ class Tailer:
                     subscriber.queue.put_nowait(event)
             if written:
                 subscriber.taken_at = asyncio.get_running_loop().time()  # no silence to hear of
-
-
-_LOST = "Redis came back without this response's events (it lost its data)."
-
-
-def _unreachable(away: float, bound: float) -> str:
-    return (
-        f"Redis was unreachable for {away:.0f} s, longer than this server waits for it "
-        f"({bound:g} s, RESPOOL_REDIS_OUTAGE_SECONDS)."
-    )

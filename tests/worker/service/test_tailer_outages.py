@@ -8,6 +8,7 @@ import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -17,7 +18,9 @@ from tests.support.outages import Restartable
 from tests.worker.service.test_tailer import _append
 from worker.connections import blocking_client, connect
 from worker.events.stream import Event
-from worker.service.tailer import Tailer, TailLostError
+from worker.service import tail_outage
+from worker.service.tail_outage import TailLostError
+from worker.service.tailer import Tailer
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -162,13 +165,13 @@ async def test_a_follower_whose_stream_began_anew_below_its_cursor_ends(
     the follower's cursor, so the follower (one with no idle cues, as a foreground create's wait)
     ends instead of waiting for numbers that never come."""
     tailer = await _tailer(servers, redis, outage_seconds=30)
-    lost_streams, may_look = tailer._lost_streams, asyncio.Event()
+    lost_streams, may_look = tail_outage.lost_streams, asyncio.Event()
 
-    async def after_the_rewrite() -> list[str]:
+    async def after_the_rewrite(*args: Any) -> list[str]:
         await may_look.wait()
-        return await lost_streams()
+        return await lost_streams(*args)
 
-    monkeypatch.setattr(tailer, "_lost_streams", after_the_rewrite)
+    monkeypatch.setattr(tail_outage, "lost_streams", after_the_rewrite)
     try:
         response_id = f"resp_{uuid.uuid4().hex}"
         events = await _live_follower(tailer, redis, response_id, idle_seconds=None)
