@@ -252,8 +252,7 @@ class TestPostgresDown:
 
 class _StackOfItsOwn:
     """A class whose tests run on an API and a worker of its own (on the module's `servers`), with
-    `ENV` over the module stack's settings. Its leases outlast the class's Redis outages, so that
-    what the API does across one is seen whole; the worker's own side is tested elsewhere."""
+    `ENV` over the module stack's settings and heartbeats every `HEARTBEAT_SECONDS`."""
 
     ENV: dict[str, str] = {}
 
@@ -266,8 +265,6 @@ class _StackOfItsOwn:
             RESPOOL_SYNTHETIC_DELAY_SECONDS="0.1",
             RESPOOL_REDIS_TIMEOUT_SECONDS="2",
             RESPOOL_RETRY_AFTER_SECONDS=RETRY_AFTER,
-            RESPOOL_LEASE_SECONDS="30",
-            RESPOOL_REGISTRY_SECONDS="40",
             RESPOOL_SSE_HEARTBEAT_SECONDS=str(HEARTBEAT_SECONDS),
             **cls.ENV,
         )
