@@ -16,7 +16,7 @@ from typing import Any
 
 import hiredis
 from redis import Redis as SyncRedis
-from redis.asyncio import BlockingConnectionPool, Connection, ConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Connection, ConnectionPool, Redis, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -326,7 +326,7 @@ def hiredis_packing[Pool: ConnectionPool](pool: Pool) -> Pool:
     TCP one's host name resolved before it connects (`_ResolvedFirst`)."""
     base = pool.connection_class
     if not issubclass(base, _HiredisPacking):
-        if issubclass(base, Connection):  # TCP, TLS
+        if base in (Connection, SSLConnection):  # TCP, TLS; Sentinel's finds its own address
             base = type(base.__name__, (_ResolvedFirst, base), {})
         pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
     return pool
