@@ -183,7 +183,7 @@ class Tailer:
         with contextlib.suppress(RedisError):  # it expires on its own if Redis is down now
             await self._redis.delete(self._wake)
         await self._pokes.close()
-        await self._blocking.aclose()
+        await self._blocking.aclose(close_connection_pool=True)  # a pool of its own (`blocking_client`)
 
     async def follow(
         self,
