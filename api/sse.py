@@ -1,7 +1,9 @@
 """The SSE relay (PROTOCOL.md §5.3): `event:` + one-line `data:` + blank line, no `id:` lines,
 comment heartbeats during silences so idle connections survive proxies. Also noticing a client
 that goes away, so a foreground response it abandoned can be cancelled (DESIGN.md §2), and ending
-a stream whose events became unavailable (Redis lost) with a fatal `error` event.
+a stream whose events became unavailable with a fatal `error` event: Redis unreachable longer
+than RESPOOL_REDIS_OUTAGE_SECONDS (a shorter outage only pauses a stream, its heartbeats going on:
+worker/service/tailer.py), or back without the stream's events.
 
 A client that stops reading is given up on: a write it leaves untaken for
 `RESPOOL_SSE_WRITE_TIMEOUT_SECONDS` (the server's buffers full) ends the stream as a disconnect
@@ -24,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from worker.errors import UnavailableError
 from worker.events.stream import Event
 from worker.outages import as_unavailable
+from worker.service.tail_outage import TailLostError
 from worker.service.tailer import Passthrough
 
 log = logging.getLogger("respool.sse")
@@ -42,16 +45,21 @@ def frame(event: Event) -> bytes:
     return b"event: " + event.type.encode() + b"\ndata: " + event.data + b"\n\n"
 
 
-def error_frame(error: UnavailableError, after: int) -> bytes:
+def error_frame(error: UnavailableError, after: int, lost: TailLostError | None = None) -> bytes:
     """The fatal `error` event (flat, PROTOCOL.md §4.1, §4.2) that ends a stream whose events became
-    unavailable after sequence number `after`; it says where to resume. It is no event of the
-    response's own, so it repeats the last number the client got: a client that resumes after the
-    last number it saw (PROTOCOL.md §0.2, the cursor) then misses nothing."""
-    resume = "stream=true" if after < 0 else f"stream=true&starting_after={after}"
-    message = (
-        "The event stream was interrupted because its store (Redis) is unavailable; this alone does "
-        f"not end the response. Retrieve it shortly, or resume its events with {resume}."
-    )
+    unavailable after sequence number `after` (`lost`: the tail says why); it says where to resume,
+    unless its events are gone. It is no event of the response's own, so it repeats the last number
+    the client got: a client that resumes after the last number it saw (PROTOCOL.md §0.2, the
+    cursor) misses nothing."""
+    if lost is not None and not lost.is_resumable:
+        message = f"{lost} The event stream ends here; retrieve the response by id."
+    else:
+        resume = "stream=true" if after < 0 else f"stream=true&starting_after={after}"
+        why = "Its store (Redis) is unavailable." if lost is None else str(lost)
+        message = (
+            f"The event stream was interrupted. {why} This alone does not end the response. "
+            f"Retrieve it shortly, or resume its events with {resume}."
+        )
     event = {
         "type": "error",
         "code": error.code,
@@ -165,11 +173,11 @@ class EventStream(StreamingResponse):
                     raise
                 self._is_ended = True  # we end it, not the client: nothing to cancel
                 after = max(after, self._written_through)
-                log.warning("a stream ends early after event %d: %s", after, error.message)
+                lost = exc if isinstance(exc, TailLostError) else None
+                log.warning("a stream ends early after event %d: %s", after, lost or error.message)
                 if after >= 0:  # with no event sent yet there is no number to repeat: the stream just ends
-                    await send(
-                        {"type": "http.response.body", "body": error_frame(error, after), "more_body": True}
-                    )
+                    body = error_frame(error, after, lost)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
         finally:
             watch.stop()
             if passthrough is not None:

@@ -10,11 +10,13 @@ Nothing connects here: a client connects on its first command.
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Mapping
 from typing import Any
 
 import hiredis
 from redis import Redis as SyncRedis
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Connection, ConnectionPool, Redis, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -279,9 +281,52 @@ class _HiredisPacking:
         return packed
 
 
+class _ResolvedFirst:
+    """A TCP (or TLS) connection whose host name is resolved by the loop's `getaddrinfo` before it
+    connects, then connected to address by address. uvloop's `create_connection` resolves a name
+    itself and, cancelled meanwhile (redis-py's connect timeout, while a slow or failing DNS cannot
+    find Redis, or its container's name, during an outage), leaves its resolution's future to fail
+    unseen: the loop then logs "Future exception was never retrieved" (MagicStack/uvloop#437). To a
+    numeric address it connects without resolving anything; a cancelled `getaddrinfo` leaves
+    nothing behind."""
+
+    host: str
+    port: int
+    socket_connect_timeout: float | None
+    _address: str | None = None  # the one being tried, while `_connect` runs
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        arguments = dict(super()._connection_arguments())  # type: ignore[misc]
+        if self._address is not None:
+            if arguments.get("ssl") is not None:
+                arguments["server_hostname"] = self.host  # TLS checks the name, not the address
+            arguments["host"] = self._address
+        return arguments
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.socket_connect_timeout):
+            found = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        failures: list[OSError] = []
+        for *_, address in found:
+            self._address = str(address[0])
+            try:
+                await super()._connect()  # type: ignore[misc]
+            except OSError as exc:  # refused on this address: the next one may answer
+                failures.append(exc)
+                continue
+            finally:
+                self._address = None
+            return
+        raise failures[0] if failures else OSError(f"no address found for {self.host}")
+
+
 def hiredis_packing[Pool: ConnectionPool](pool: Pool) -> Pool:
-    """`pool`, its connections (TCP, Unix socket or TLS, as its URL said) packing with hiredis."""
+    """`pool`, its connections (TCP, Unix socket or TLS, as its URL said) packing with hiredis, a
+    TCP one's host name resolved before it connects (`_ResolvedFirst`)."""
     base = pool.connection_class
     if not issubclass(base, _HiredisPacking):
+        if base in (Connection, SSLConnection):  # TCP, TLS; Sentinel's finds its own address
+            base = type(base.__name__, (_ResolvedFirst, base), {})
         pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
     return pool

@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 import openai
+import orjson
 import pytest
 import sqlalchemy as sa
 from openai.types.responses import Response, ResponseStreamEvent
@@ -97,6 +99,8 @@ class Scene:
     readers: dict[str, Future[list[ResponseStreamEvent]]] = field(default_factory=dict)
     foreground: Future[Response] | None = None
     foreground_id: str = ""
+    raw: Future[list[tuple[float, int | None]]] | None = None  # `read_raw_stream`'s
+    stopped_at: float = 0.0  # when the outage began (time.monotonic)
 
 
 def stage(sdk: openai.OpenAI, lengths: tuple[int, ...] = (10, 60, 200)) -> Scene:
@@ -246,20 +250,71 @@ class TestPostgresDown:
         assert settled(sdk, scene.in_flight[0]).status == "completed"
 
 
-class TestRedisDown:
-    """Redis stopped: what needs it is a quick 503, open streams end; once it is back (its AOF
-    intact), earlier responses replay whole and new work flows."""
+class _StackOfItsOwn:
+    """A class whose tests run on an API and a worker of its own (on the module's `servers`), with
+    `ENV` over the module stack's settings and heartbeats every `HEARTBEAT_SECONDS`."""
+
+    ENV: dict[str, str] = {}
 
     @pytest.fixture(scope="class")
     @classmethod
-    def scene(cls, servers: Restartable, sdk: openai.OpenAI, patient_sdk: openai.OpenAI) -> Iterator[Scene]:
+    def faulty(cls, servers: Restartable, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        env = _env(
+            servers,  # type: ignore[arg-type]  # has the two URLs Servers has
+            RESPOOL_API_KEYS=f"{KEY_A}:tenant-a",
+            RESPOOL_SYNTHETIC_DELAY_SECONDS="0.1",
+            RESPOOL_REDIS_TIMEOUT_SECONDS="2",
+            RESPOOL_RETRY_AFTER_SECONDS=RETRY_AFTER,
+            RESPOOL_SSE_HEARTBEAT_SECONDS=str(HEARTBEAT_SECONDS),
+            **cls.ENV,
+        )
+        if servers.redis is None:
+            servers.start_redis()
+        stack = Stack(env, tmp_path_factory.mktemp("outage-logs"))
+        stack.run("migrate")
+        stack.start_api()
+        stack.start_worker()
+        yield stack
+        stack.stop_all()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sdk(cls, faulty: Stack) -> Iterator[openai.OpenAI]:
+        with make_sdk(faulty.url, KEY_A).with_options(timeout=CLIENT_TIMEOUT) as client:
+            yield client
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def patient_sdk(cls, faulty: Stack) -> Iterator[openai.OpenAI]:
+        with make_sdk(faulty.url, KEY_A).with_options(timeout=STREAM_TIMEOUT) as client:
+            yield client
+
+
+HEARTBEAT_SECONDS = 0.5
+
+
+class TestRedisDown(_StackOfItsOwn):
+    """Redis stopped for a few seconds (well within RESPOOL_REDIS_OUTAGE_SECONDS): what needs it
+    anew is a quick 503, while open streams stay open with their heartbeats and a waiting
+    foreground create keeps waiting; once it is back (its AOF intact), those streams go on gapless
+    to their terminal event, the create answers, earlier responses replay whole and new work flows."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scene(
+        cls, servers: Restartable, faulty: Stack, sdk: openai.OpenAI, patient_sdk: openai.OpenAI
+    ) -> Iterator[Scene]:
         scene = stage(sdk)
         with ThreadPoolExecutor(4) as pool:
             for response_id in (scene.live, scene.in_flight[-1]):
                 started = threading.Event()
                 scene.readers[response_id] = pool.submit(read_stream, patient_sdk, response_id, started)
                 assert started.wait(CLIENT_TIMEOUT), f"no event came on {response_id}'s stream"
+            started = threading.Event()
+            scene.raw = pool.submit(read_raw_stream, faulty, scene.in_flight[-1], started)
+            assert started.wait(CLIENT_TIMEOUT), "no event came on the raw stream"
             scene.foreground, scene.foreground_id = start_foreground(pool, servers, patient_sdk)
+            scene.stopped_at = time.monotonic()  # before the API can notice
             servers.stop_redis()
             yield scene
         if servers.redis is None:
@@ -287,16 +342,90 @@ class TestRedisDown:
         """/healthz stays 200 while Redis is down; /readyz says 503."""
         assert (probe(faulty, "/healthz"), probe(faulty, "/readyz")) == (200, 503)
 
-    def test_open_streams_end_with_an_error_event(self, scene: Scene) -> None:
-        """A stream open when Redis goes ends at once with a flat `error` event saying where to resume."""
-        for events in (reader.result(timeout=STREAM_TIMEOUT / 2) for reader in scene.readers.values()):
-            *before, last = events
-            assert (last.type, last.code) == ("error", "service_unavailable")  # type: ignore[union-attr]
-            assert last.sequence_number == before[-1].sequence_number  # the cursor, repeated
-            assert f"starting_after={before[-1].sequence_number}" in last.message  # type: ignore[union-attr]
+    def test_open_streams_and_a_waiting_create_stay_open(self, scene: Scene) -> None:
+        """Streams open when Redis goes, and a foreground create waiting for its end, are still
+        waiting a few heartbeats later: nothing ended them."""
+        assert scene.foreground is not None
+        wait_for(
+            lambda: time.monotonic() - scene.stopped_at > 4 * HEARTBEAT_SECONDS,
+            what="a few heartbeats of outage",
+        )
+        assert scene.raw is not None
+        waiting = [*scene.readers.values(), scene.raw, scene.foreground]
+        assert not any(future.done() for future in waiting), [f.result() for f in waiting if f.done()]
+
+    def test_back_with_nothing_lost(
+        self, servers: Restartable, faulty: Stack, sdk: openai.OpenAI, scene: Scene
+    ) -> None:
+        """Once Redis is back, the streams open across the outage go on gapless to their terminal
+        event with no `error` event, the raw one having had its heartbeats meanwhile; the waiting
+        create answers its completed Response; earlier responses replay whole, and each in flight
+        ended once."""
+        servers.start_redis()
+        restarted_at = time.monotonic()
+        assert probe(faulty, "/readyz") == 200
+        assert_recovered(faulty, sdk, scene)  # the live one cancelled, the rest ended once
+        for response_id, reader in scene.readers.items():
+            events = reader.result(timeout=STREAM_TIMEOUT)
+            assert [e.sequence_number for e in events] == list(range(len(events))), response_id
+            ends = [e.type for e in events if e.type in TERMINAL_EVENTS or e.type == "error"]
+            assert ends == [events[-1].type] and ends[0] in TERMINAL_EVENTS, ends
+        assert scene.raw is not None
+        frames = scene.raw.result(timeout=STREAM_TIMEOUT)
+        numbers = [number for _, number in frames if number is not None]
+        assert numbers == list(range(len(numbers)))
+        heard = [at for at, number in frames if number is None]  # a heartbeat's arrival
+        assert any(scene.stopped_at < at < restarted_at for at in heard), (scene.stopped_at, heard)
+        assert scene.foreground is not None
+        foreground = scene.foreground.result(timeout=STREAM_TIMEOUT)
+        assert (foreground.id, foreground.status) == (scene.foreground_id, "completed")
+        assert_one_end(sdk, scene.foreground_id)
+        replay = list(sdk.responses.retrieve(scene.done.id, stream=True))
+        assert [(e.sequence_number, e.type) for e in replay] == [
+            (e.sequence_number, e.type) for e in scene.done_events
+        ]
+
+
+class TestRedisDownPastTheBound(_StackOfItsOwn):
+    """Redis stopped for longer than RESPOOL_REDIS_OUTAGE_SECONDS (3 s here): open streams end with
+    an `error` event that says how long Redis was away and where to resume, a waiting foreground
+    create answers 503 naming its response, not to be retried; once Redis is back, the stream
+    resumes gapless from where it ended."""
+
+    ENV = {"RESPOOL_REDIS_OUTAGE_SECONDS": "3"}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scene(cls, servers: Restartable, sdk: openai.OpenAI, patient_sdk: openai.OpenAI) -> Iterator[Scene]:
+        scene = stage(sdk, lengths=(300,))
+        with ThreadPoolExecutor(2) as pool:
+            started = threading.Event()
+            response_id = scene.in_flight[0]
+            scene.readers[response_id] = pool.submit(read_stream, patient_sdk, response_id, started)
+            assert started.wait(CLIENT_TIMEOUT), f"no event came on {response_id}'s stream"
+            scene.foreground, scene.foreground_id = start_foreground(pool, servers, patient_sdk)
+            scene.stopped_at = time.monotonic()  # before the API can notice
+            servers.stop_redis()
+            yield scene
+        if servers.redis is None:
+            servers.start_redis()
+
+    def test_open_streams_end_with_an_error_event_naming_the_outage(self, scene: Scene) -> None:
+        """A stream open when Redis goes ends, past the bound and not before, with a flat `error`
+        event repeating its cursor, naming the seconds Redis was unreachable and where to resume."""
+        (events,) = (reader.result(timeout=STREAM_TIMEOUT / 2) for reader in scene.readers.values())
+        assert time.monotonic() - scene.stopped_at >= 3
+        *before, last = events
+        assert (last.type, last.code) == ("error", "service_unavailable")  # type: ignore[union-attr]
+        assert last.sequence_number == before[-1].sequence_number  # the cursor, repeated
+        message = last.message  # type: ignore[union-attr]
+        assert re.search(r"Redis was unreachable for \d+ s", message), message
+        assert "RESPOOL_REDIS_OUTAGE_SECONDS" in message
+        assert f"starting_after={before[-1].sequence_number}" in message
 
     def test_foreground_wait_answers_503_that_is_not_retried(self, scene: Scene) -> None:
-        """A foreground create waiting when Redis goes answers 503 with x-should-retry: false, naming its response."""
+        """A foreground create waiting when Redis goes answers, past the bound, 503 with
+        x-should-retry: false, naming its response and the outage."""
         assert scene.foreground is not None
         with pytest.raises(openai.InternalServerError) as caught:
             scene.foreground.result(timeout=STREAM_TIMEOUT / 2)
@@ -305,24 +434,21 @@ class TestRedisDown:
         assert error.response.headers["x-should-retry"] == "false"
         assert error.response.headers["retry-after"] == RETRY_AFTER
         assert scene.foreground_id in error.message
+        assert re.search(r"Redis was unreachable for \d+ s", error.message), error.message
 
-    def test_back_with_nothing_lost(
-        self, servers: Restartable, faulty: Stack, sdk: openai.OpenAI, scene: Scene
+    def test_back_the_stream_resumes_where_it_ended(
+        self, servers: Restartable, sdk: openai.OpenAI, scene: Scene
     ) -> None:
-        """Once Redis is back, earlier responses replay whole, streams resume gapless, and each in flight ended once."""
+        """Once Redis is back, the stream resumed after the error event's cursor is gapless to its
+        terminal event, and each response ended once."""
         servers.start_redis()
-        assert probe(faulty, "/readyz") == 200
-        assert_recovered(faulty, sdk, scene)
-        replay = list(sdk.responses.retrieve(scene.done.id, stream=True))
-        assert [(e.sequence_number, e.type) for e in replay] == [
-            (e.sequence_number, e.type) for e in scene.done_events
-        ]
         for response_id, reader in scene.readers.items():
             *before, _error = reader.result(timeout=0)
             after = before[-1].sequence_number
             rest = list(sdk.responses.retrieve(response_id, stream=True, starting_after=after))
             assert [e.sequence_number for e in rest] == list(range(after + 1, after + 1 + len(rest)))
             assert rest and rest[-1].type in TERMINAL_EVENTS
+            assert_one_end(sdk, response_id)
         assert_one_end(sdk, scene.foreground_id)
 
 
@@ -333,6 +459,24 @@ def read_stream(sdk: openai.OpenAI, response_id: str, started: threading.Event) 
         events.append(event)
         started.set()
     return events
+
+
+def read_raw_stream(
+    stack: Stack, response_id: str, started: threading.Event
+) -> list[tuple[float, int | None]]:
+    """A stream of `response_id` read frame by frame, as `(arrival, sequence_number)` for each
+    event, with None as the number of a comment (a heartbeat, PROTOCOL.md §5.3)."""
+    frames: list[tuple[float, int | None]] = []
+    headers = {"authorization": f"Bearer {KEY_A}"}
+    url = f"{stack.url}/v1/responses/{response_id}?stream=true"
+    with httpx.stream("GET", url, headers=headers, timeout=STREAM_TIMEOUT) as answer:
+        for line in answer.iter_lines():
+            if line.startswith(":"):
+                frames.append((time.monotonic(), None))
+            elif line.startswith("data: "):
+                frames.append((time.monotonic(), orjson.loads(line[6:])["sequence_number"]))
+                started.set()
+    return frames
 
 
 def start_foreground(
@@ -360,11 +504,27 @@ class TestRedisComesBackEmpty:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def scene(cls, servers: Restartable, sdk: openai.OpenAI) -> Scene:
+    def scene(cls, servers: Restartable, sdk: openai.OpenAI, patient_sdk: openai.OpenAI) -> Iterator[Scene]:
         scene = stage(sdk, lengths=(100, 200))
-        servers.stop_redis()
-        servers.start_redis(is_empty=True)
-        return scene
+        with ThreadPoolExecutor(1) as pool:
+            started = threading.Event()
+            response_id = scene.in_flight[-1]
+            scene.readers[response_id] = pool.submit(read_stream, patient_sdk, response_id, started)
+            assert started.wait(CLIENT_TIMEOUT), f"no event came on {response_id}'s stream"
+            servers.stop_redis()
+            servers.start_redis(is_empty=True)
+            yield scene
+
+    def test_open_streams_end_with_an_error_event_saying_their_events_are_lost(self, scene: Scene) -> None:
+        """A stream open across the restart ends with a flat `error` event saying Redis lost its
+        events (not resumable: retrieve the response), instead of waiting on a stream that no
+        longer exists."""
+        (events,) = (reader.result(timeout=STREAM_TIMEOUT / 2) for reader in scene.readers.values())
+        *before, last = events
+        assert (last.type, last.code) == ("error", "service_unavailable")  # type: ignore[union-attr]
+        assert last.sequence_number == before[-1].sequence_number
+        message = last.message  # type: ignore[union-attr]
+        assert "lost its data" in message and "retrieve the response by id" in message, message
 
     def test_new_work_flows(self, faulty: Stack, sdk: openai.OpenAI, scene: Scene) -> None:
         """Creates of every kind work on the empty Redis at once."""

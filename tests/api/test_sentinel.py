@@ -200,12 +200,6 @@ def test_a_failover_under_load_loses_nothing(failover: Failover, sdk: openai.Ope
         assert text == response.output_text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an open SSE stream ends with an `error` event when the tailer's read meets a Redis "
-    "outage, and a failover is one of about a second; streams staying open across an outage is "
-    "the outage item's (RESPOOL_REDIS_OUTAGE_SECONDS), not Sentinel's",
-)
 def test_followed_streams_stay_open_across_a_failover(failover: Failover) -> None:
     """Each followed stream, read live by the SDK, runs through the failover to its completion."""
     cut = [

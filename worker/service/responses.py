@@ -57,6 +57,7 @@ from worker.service import chains
 from worker.service.cancellation import CANCEL_FLAG_SECONDS, Cancellation
 from worker.service.conversations import ConversationService
 from worker.service.quota import Quotas, StreamSlot
+from worker.service.tail_outage import TailLostError
 from worker.service.tailer import TAILER_BLOCK_MS, Passthrough, Tailer
 from worker.settings import Settings
 from worker.translation import chat_request, native
@@ -115,6 +116,8 @@ class ResponseService:
             block_ms=TAILER_BLOCK_MS,
             finishing_seconds=finishing,
             batch_seconds=settings.batch_ms / 1000,
+            outage_seconds=settings.redis_outage_seconds,
+            timeout_seconds=settings.redis_timeout_seconds,
         )
         self.notifier = Notifier(self.routes.webhooks, redis, delivery_queue(sync_redis, settings.queue))
         self.cancellation = Cancellation(settings, engine, self.autocommit, redis, self.queue, self.notifier)
@@ -567,8 +570,9 @@ class ResponseService:
         finished response (`final`) what is stored, an `after` past its end being an empty stream.
         A live one's are the tailer's own (no layer between them and the relay: issue 20).
 
-        Raises Redis's outage if Redis is lost meanwhile (the relay's boundary says so to its
-        client, who resumes after the last event it got, once Redis is back).
+        Raises Redis's outage if Redis stays unreachable past RESPOOL_REDIS_OUTAGE_SECONDS meanwhile
+        (a shorter outage only pauses it), or comes back without the stream: the relay's boundary
+        says so to its client, who resumes after the last event it got, once Redis is back.
         """
         if final is not None:
             events = self.tailer.follow(response_id, after, idle_seconds, True)
@@ -601,15 +605,16 @@ class ResponseService:
 
     async def wait(self, response_id: str) -> dict[str, Any]:
         """Hold a foreground request, just created here, until its terminal event, and return its
-        Response."""
+        Response. It waits through a Redis outage as the tailer does (RESPOOL_REDIS_OUTAGE_SECONDS)."""
         try:
             terminal = await self.tailer.terminal(response_id, is_new=True)
         except Exception as exc:
             if not is_redis_outage(exc):
                 raise
+            why = f" {exc}" if isinstance(exc, TailLostError) else ""
             raise UnavailableAfterCommitError(
                 f"Response '{response_id}' was accepted, but its events became unavailable while "
-                "waiting for it; retrieve it by id shortly."
+                f"waiting for it.{why} Retrieve it by id shortly."
             ) from exc
         if terminal is None:
             raise UnavailableAfterCommitError(

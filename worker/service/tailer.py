@@ -5,9 +5,9 @@ stream: a new subscriber XADDs to it, so the blocked read returns and the next o
 new stream. Each subscriber resumes from the exact id it has (never `$`), so no event is lost
 between the replay and the live tail.
 
-A failed read ends every live subscriber with a Redis error: while Redis is unreachable nobody can
-tell what is being missed (or, if it comes back empty, lost), so readers end at once and resume
-with `starting_after` instead of waiting on a stream that may never move again.
+A read that fails because Redis is unreachable ends nobody: subscribers wait, for up to
+`outage_seconds`, and continue from their cursors once it answers; a stream Redis lost ends its
+subscribers (worker/service/tail_outage.py). Any other failed read ends every subscriber at once.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from worker.events.stream import (
     read_events_observed,
 )
 from worker.keys import events_key, wake_key
+from worker.outages import is_redis_outage
+from worker.service import tail_outage
+from worker.service.tail_outage import LOST, TailLostError
 
 log = logging.getLogger("respool.tailer")
 
@@ -81,6 +84,13 @@ class _Subscriber:
     taken_at: float = 0.0  # the loop time its reader last took something from `queue`
     passthrough: Passthrough | None = None
     waiting: bool = False  # its reader waits on an empty `queue`: its events may pass through
+    # A `position` its stream has not shown (a cursor past its end, or none): no sign of a stream
+    # lost while the subscriber is still there (`is_behind`).
+    unseen: int = -1
+
+    def is_behind(self, newest: int) -> bool:
+        """Whether this subscriber has an event newer than the stream's newest (`newest`)."""
+        return self.position != self.unseen and self.position > newest
 
 
 async def _take_until(
@@ -129,6 +139,8 @@ class Tailer:
         block_ms: int = 10_000,
         finishing_seconds: float = 10.0,
         batch_seconds: float = 0.0,
+        outage_seconds: float = 60.0,
+        timeout_seconds: float = 5.0,
     ) -> None:
         self._redis = redis  # the process's pool: replays and wake-ups
         self._blocking = blocking  # a connection of its own, held by XREAD BLOCK
@@ -139,12 +151,17 @@ class Tailer:
         self._finishing_seconds = finishing_seconds
         # Under load, reads go no more often than this (DESIGN.md §7): see `_run`.
         self._batch_seconds = batch_seconds
+        # How long subscribers wait for an unreachable Redis (RESPOOL_REDIS_OUTAGE_SECONDS), and
+        # how long one try to reach it again may take (RESPOOL_REDIS_TIMEOUT_SECONDS).
+        self._outage_seconds = outage_seconds
+        self._timeout_seconds = timeout_seconds
         self._wake = wake_key(uuid.uuid4().hex)
         self._wake_position = "0-0"
         self._wake_pending = False  # a poke went since the keys of the next read were taken
         self._wake_renew_at = -math.inf
         self._subscribers: dict[str, set[_Subscriber]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._is_reaching = False  # a read failed, and Redis has not answered since
 
     async def start(self) -> None:
         """Start relaying. With Redis unreachable the process starts all the same (its routes answer
@@ -166,7 +183,7 @@ class Tailer:
         with contextlib.suppress(RedisError):  # it expires on its own if Redis is down now
             await self._redis.delete(self._wake)
         await self._pokes.close()
-        await self._blocking.aclose()
+        await self._blocking.aclose(close_connection_pool=True)  # a pool of its own (`blocking_client`)
 
     async def follow(
         self,
@@ -221,6 +238,8 @@ class Tailer:
             until = asyncio.get_running_loop().time() + self._finishing_seconds
         # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
         subscriber = await self._subscribe(response_id, position)
+        if position == after:  # nothing replayed: its cursor is the client's own (or none)
+            subscriber.unseen = position
         if until is None:
             subscriber.passthrough = passthrough
         timer = _IdleTimer(subscriber, idle_seconds) if idle_seconds and until is None else None
@@ -240,8 +259,12 @@ class Tailer:
                 subscriber.taken_at = asyncio.get_running_loop().time()
                 if isinstance(item, _Idle):
                     yield None
+                    if until is None and await self._is_lost(response_id, subscriber):
+                        raise TailLostError(LOST, is_resumable=False)
                     continue
                 if isinstance(item, RedisError):
+                    if isinstance(item, TailLostError):
+                        raise TailLostError(str(item), is_resumable=item.is_resumable) from item
                     raise RedisConnectionError(f"the live tail lost Redis: {item}") from item
                 yield item
                 if item.is_terminal:
@@ -311,14 +334,8 @@ class Tailer:
                     if wait > 0:
                         await asyncio.sleep(wait)
             except RedisError as exc:
-                log.warning(
-                    "tailer: reading streams failed (%r): ending %d live readers; retrying in 1 s",
-                    exc,
-                    sum(len(subscribers) for subscribers in self._subscribers.values()),
-                )
-                self._end_all(exc)
-                self._wake_renew_at = -math.inf
-                await asyncio.sleep(1)
+                await self._after_failed_read(exc)
+                self._wake_renew_at = -math.inf  # a Redis that restarted may hold a new wake-up key
 
     async def _read_once(self) -> int:
         """One XREAD over every followed stream; how many of them it brought events."""
@@ -346,6 +363,70 @@ class Tailer:
             brought += 1
             self._deliver(name, entries)
         return brought
+
+    async def _after_failed_read(self, exc: RedisError) -> None:
+        """Wait for Redis to answer again, every subscriber kept, for up to `outage_seconds`; then
+        end those whose streams it no longer has. Past the bound, end every subscriber. An error
+        that is not an outage ends them all at once."""
+        if not is_redis_outage(exc):
+            log.warning("tailer: reading streams failed (%r): ending %d live readers", exc, self._count())
+            self._end_all(exc)
+            await asyncio.sleep(1)
+            return
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        log.warning(
+            "tailer: Redis is unreachable (%r): %d live readers wait for it, up to %g s",
+            exc,
+            self._count(),
+            self._outage_seconds,
+        )
+        self._is_reaching = True
+        try:
+            lost = await tail_outage.reach_again(
+                self._reads, self._subscribers, began, self._outage_seconds, self._timeout_seconds
+            )
+        except RedisError as failed:
+            log.warning("tailer: Redis answers with an error (%r): ending every live reader", failed)
+            self._end_all(failed)
+            return
+        finally:
+            self._is_reaching = False
+        away = loop.time() - began
+        if lost is None:
+            log.error("tailer: Redis unreachable for %.0f s: ending %d live readers", away, self._count())
+            message = tail_outage.unreachable(away, self._outage_seconds)
+            self._end_all(TailLostError(message, is_resumable=True))
+            return
+        for key in lost:
+            self._end_key(key, TailLostError(LOST, is_resumable=False))
+        log.warning(
+            "tailer: Redis answers again after %.1f s: %d live readers continue; it lost %d of their streams",
+            away,
+            self._count(),
+            len(lost),
+        )
+
+    async def _is_lost(self, response_id: str, subscriber: _Subscriber) -> bool:
+        """Whether a quiet stream is lost (`tail_outage.is_lost`), asked at its follower's idle
+        cue: a Redis that restarted empty between two reads, unseen by the tail (its connection
+        came back at once), would leave the follower waiting for ever. Not while the tail waits for
+        Redis, nor if Redis does not answer: the tail's own failed read deals with an outage."""
+        if self._is_reaching:
+            return False
+        try:
+            newest = await last_event(self._redis, response_id)
+        except RedisError:
+            return False
+        return tail_outage.is_lost(newest, subscriber)
+
+    def _count(self) -> int:
+        return sum(len(subscribers) for subscribers in self._subscribers.values())
+
+    def _end_key(self, key: str, exc: RedisError) -> None:
+        """End the subscribers of one stream with `exc`."""
+        for subscriber in self._subscribers.pop(key, ()):
+            subscriber.queue.put_nowait(exc)
 
     def _end_all(self, exc: RedisError) -> None:
         """End every live subscriber with `exc`, after the events already delivered to it."""
