@@ -71,9 +71,18 @@ def follow(sdk: openai.OpenAI, text: str, started: threading.Event) -> list[Resp
     return events
 
 
-def test_a_redis_killed_for_ten_seconds_fails_no_response(servers: Restartable, stack: Stack) -> None:
-    patient = make_sdk(stack.url, KEY_A).with_options(timeout=90.0)
-    sdk = make_sdk(stack.url, KEY_A).with_options(timeout=10.0)
+@pytest.fixture
+def sdk(stack: Stack) -> Iterator[openai.OpenAI]:
+    """The SDK as tenant A, for the stack's API; its connections closed afterwards."""
+    with make_sdk(stack.url, KEY_A) as client:
+        yield client
+
+
+def test_a_redis_killed_for_ten_seconds_fails_no_response(
+    servers: Restartable, stack: Stack, sdk: openai.OpenAI
+) -> None:
+    patient = sdk.with_options(timeout=90.0)
+    sdk = sdk.with_options(timeout=10.0)
     texts = {f"f{n}": words(120 + 5 * n, f"f{n}") for n in range(FOLLOWED)}
     with ThreadPoolExecutor(FOLLOWED) as pool:
         starts = {tag: threading.Event() for tag in texts}
@@ -141,7 +150,8 @@ def test_past_the_bound_a_response_fails_saying_redis_was_unreachable(
     try:
         impatient.start_api()
         impatient.start_worker()
-        sdk = make_sdk(impatient.url, KEY_A).with_options(timeout=10.0)
+        base = make_sdk(impatient.url, KEY_A)
+        sdk = base.with_options(timeout=10.0)
         created = [
             sdk.responses.create(model="synthetic", input=words(200, f"b{n}"), background=True)
             for n in range(2)
@@ -175,5 +185,6 @@ def test_past_the_bound_a_response_fails_saying_redis_was_unreachable(
             )
             assert [event.sequence_number for event in told] == list(range(len(told)))
         assert "stopped after it had started streaming" not in impatient.log("worker")
+        base.close()
     finally:
         impatient.stop_all()
