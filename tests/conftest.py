@@ -12,8 +12,10 @@ import openai
 import pytest
 from redis import Redis
 
+from tests.support.outages import Restartable
 from tests.support.queue import QueueView
-from tests.support.stack import LOG_DIRS, Servers, Stack, servers
+from tests.support.stack import LOG_DIRS, Servers, Stack
+from tests.support.stack import servers as backing_servers
 from tests.support.tool_servers import McpServerProcess, SearchServerProcess
 from tests.support.upstream_process import ScriptedUpstream
 from tests.support.validating import FAILURES, ValidatingTransport
@@ -109,8 +111,16 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def backing() -> Iterator[Servers]:
     """Redis and a fresh Postgres database (the machine's when RESPOOL_* name them, else embedded)."""
-    with servers() as found:
+    with backing_servers() as found:
         yield found
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Restartable]:
+    """A Redis and a Postgres of the test module's own, to stop, freeze and start again."""
+    running = Restartable.start()
+    yield running
+    running.close()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ import pytest
 from tests.api.test_outages import ROUTES, Scene, assert_503, assert_one_end, stage
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
-from tests.support.stack import Stack, wait_for
+from tests.support.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -35,14 +35,6 @@ READY_SECONDS = 2.0  # the most a probe's answer may take (its own timeout is sh
 SLACK = 1.0  # a request's own work and this loaded machine's scheduling, on top of its deadline
 FROZEN_SECONDS = 20.0
 CLIENT_TIMEOUT = 30.0  # a hang shows up as openai.APITimeoutError
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[Restartable]:
-    """A Redis and a Postgres of this module's own, to freeze."""
-    running = Restartable.start()
-    yield running
-    running.close()
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +48,8 @@ def hung(servers: Restartable, tmp_path_factory: pytest.TempPathFactory) -> Iter
         RESPOOL_DATABASE_TIMEOUT_SECONDS=str(DEADLINE),
         RESPOOL_DATABASE_CONNECT_TIMEOUT_SECONDS=str(CONNECT_TIMEOUT),
     )
-    stack = Stack(env, tmp_path_factory.mktemp("hung-logs"))
-    stack.run("migrate")
-    stack.start_api()
-    stack.start_worker()
-    yield stack
-    stack.stop_all()
+    with running_stack(env, tmp_path_factory.mktemp("hung-logs")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from sqlalchemy.pool import NullPool
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
 from tests.support.queue import QueueView
-from tests.support.stack import Stack, wait_for
+from tests.support.stack import Stack, running_stack, wait_for
 from worker.keys import events_key, lease_key, queue_key
 from worker.postgres.store import async_url
 
@@ -44,14 +44,6 @@ TERMINAL_EVENTS = {"response.completed", "response.failed", "response.incomplete
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Restartable]:
-    """A Redis and a Postgres of this module's own, to stop and start."""
-    running = Restartable.start()
-    yield running
-    running.close()
-
-
-@pytest.fixture(scope="module")
 def faulty(servers: Restartable, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """An API and a worker on `servers`; the synthetic model writes a word every 0.1 s."""
     env = _env(
@@ -61,12 +53,8 @@ def faulty(servers: Restartable, tmp_path_factory: pytest.TempPathFactory) -> It
         RESPOOL_REDIS_TIMEOUT_SECONDS="2",
         RESPOOL_RETRY_AFTER_SECONDS=RETRY_AFTER,
     )
-    stack = Stack(env, tmp_path_factory.mktemp("outage-logs"))
-    stack.run("migrate")
-    stack.start_api()
-    stack.start_worker()
-    yield stack
-    stack.stop_all()
+    with running_stack(env, tmp_path_factory.mktemp("outage-logs")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -270,12 +258,8 @@ class _StackOfItsOwn:
         )
         if servers.redis is None:
             servers.start_redis()
-        stack = Stack(env, tmp_path_factory.mktemp("outage-logs"))
-        stack.run("migrate")
-        stack.start_api()
-        stack.start_worker()
-        yield stack
-        stack.stop_all()
+        with running_stack(env, tmp_path_factory.mktemp("outage-logs")) as stack:
+            yield stack
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -22,7 +22,7 @@ from openai.types.responses import Response
 
 from tests.conftest import _env, make_sdk
 from tests.support.pgbouncer import PgBouncer
-from tests.support.stack import ROOT, Servers, Stack, fresh_database, wait_for
+from tests.support.stack import ROOT, Servers, Stack, fresh_database, running_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -49,12 +49,8 @@ def pooled(backing: Servers, bouncer: PgBouncer, tmp_path_factory: pytest.TempPa
         RESPOOL_DATABASE_POOLER="transaction",
         RESPOOL_SYNTHETIC_DELAY_SECONDS="0.005",
     )
-    stack = Stack(env, tmp_path_factory.mktemp("pooler-logs"))
-    stack.run("migrate")
-    stack.start_api()
-    stack.start_worker()
-    yield stack
-    stack.stop_all()
+    with running_stack(env, tmp_path_factory.mktemp("pooler-logs")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

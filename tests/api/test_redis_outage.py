@@ -21,7 +21,7 @@ from redis import Redis
 
 from tests.conftest import KEY_A, _env, make_sdk
 from tests.support.outages import Restartable
-from tests.support.stack import Stack, wait_for
+from tests.support.stack import Stack, running_stack, wait_for
 from worker.keys import attempt_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -29,13 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 OUTAGE_SECONDS = 10.0
 FOLLOWED = POLLED = 20
 SETTLE_SECONDS = 120.0
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[Restartable]:
-    running = Restartable.start()
-    yield running
-    running.close()
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +41,8 @@ def stack(servers: Restartable, tmp_path_factory: pytest.TempPathFactory) -> Ite
         RESPOOL_REDIS_TIMEOUT_SECONDS="2",
         RESPOOL_SSE_HEARTBEAT_SECONDS="2",
     )
-    running = Stack(env, tmp_path_factory.mktemp("redis-outage-logs"))
-    running.run("migrate")
-    running.start_api()
-    running.start_worker("worker-1")
-    running.start_worker("worker-2")
-    yield running
-    running.stop_all()
+    with running_stack(env, tmp_path_factory.mktemp("redis-outage-logs"), "worker-1", "worker-2") as running:
+        yield running
 
 
 def words(count: int, tag: str) -> str:

@@ -32,6 +32,7 @@ from tests.support.stack import (
     free_port,
     fresh_database,
     rows_with_metadata,
+    running_stack,
     wait_for,
 )
 from worker.keys import events_key
@@ -73,11 +74,8 @@ def sentinel_stack(
         RESPOOL_SSE_HEARTBEAT_SECONDS="2",
     )
     del env["RESPOOL_REDIS_URL"]
-    stack = Stack(env, tmp_path_factory.mktemp("sentinel-logs"))
-    stack.start_api()
-    stack.start_worker()
-    yield stack
-    stack.stop_all()
+    with running_stack(env, tmp_path_factory.mktemp("sentinel-logs"), migrate=False) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

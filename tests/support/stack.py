@@ -199,6 +199,22 @@ class Stack:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
 
+@contextmanager
+def running_stack(env: dict[str, str], logs: Path, *workers: str, migrate: bool = True) -> Iterator[Stack]:
+    """A stack of an API and `workers` (one, "worker", if none is named) on `env`, its database
+    migrated first unless `migrate` is false; every process stopped afterwards."""
+    stack = Stack(env, logs)
+    try:
+        if migrate:
+            stack.run("migrate")
+        stack.start_api()
+        for name in workers or ("worker",):
+            stack.start_worker(name)
+        yield stack
+    finally:
+        stack.stop_all()
+
+
 def _healthy(url: str, process: subprocess.Popen[bytes]) -> bool:
     if process.poll() is not None:
         raise AssertionError(f"the process exited with {process.returncode} before it listened")

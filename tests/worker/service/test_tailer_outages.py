@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,14 +25,6 @@ from worker.service.tailer import Tailer
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 IDLE_SECONDS = 0.3
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[Restartable]:
-    """A Redis (and a Postgres, unused) of this module's own, to stop and start."""
-    running = Restartable.start()
-    yield running
-    running.close()
 
 
 @pytest.fixture
