@@ -71,7 +71,7 @@ def blocking_client(redis_url: str, block_seconds: float, timeout_seconds: float
         socket_connect_timeout=timeout_seconds,
         socket_timeout=block_seconds + timeout_seconds,
     )
-    return Redis(connection_pool=hiredis_packing(pool))
+    return Redis.from_pool(hiredis_packing(pool))  # its own pool: closing the client closes it
 
 
 def sync_client(redis_url: str, timeout_seconds: float | None = None) -> SyncRedis:
