@@ -1,4 +1,4 @@
-"""The hot routes served past FastAPI's routing and dependencies (issue 20): a plain poll
+"""The hot routes served past FastAPI's routing and dependencies: a plain poll
 (`GET /v1/responses/{id}`, no query) and a create (`POST /v1/responses`, no query).
 
 A background response's client polls it every few hundred milliseconds; its answer is one read of

@@ -1,8 +1,7 @@
 """The API process's HTTP server: uvicorn's, ticking once a second instead of ten times.
 
 uvicorn's server wakes every 100 ms for its tick, which refreshes the Date header (once a second)
-and looks whether a signal asked it to exit: ten wakes a second, an idle API's whole CPU (issue 20,
-"idle"). Here the tick comes once a second, and a signal wakes it at once, so a stop starts as
+and looks whether a signal asked it to exit: ten wakes a second, an idle API's whole CPU. Here the tick comes once a second, and a signal wakes it at once, so a stop starts as
 soon as before.
 """
 

@@ -115,7 +115,7 @@ class EventStream(StreamingResponse):
     ends: completed, the client gone or too slow, or an error.
 
     Its body is written here, an event a frame, with no generator of frames between the events and
-    the writes and no wrapper around each write (each was a hop a token, issue 20). The start of the
+    the writes and no wrapper around each write (each was a hop a token). The start of the
     answer goes through the middleware (its request id, its count in the metrics); its body frames
     straight to the server's `send` (`SERVER_SEND`), past the five wrappers that only look at a
     start: a layer less a token. A live event that comes while the relay waits is written from the

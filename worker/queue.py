@@ -320,7 +320,7 @@ class ResponseQueue:
     async def finished(self, leases: Leases, lease: Lease) -> None:
         """The response has ended: give its lease back and drop it from what the queue holds, in one
         script sent bare (a MULTI through redis-py's pipeline was a sixth of a short response's
-        Redis round trips in a worker's profile, issue 20)."""
+        Redis round trips in a worker's profile)."""
         rid = lease.response_id
         args = (3, self.held, queued_key(rid), lease_key(rid), rid, lease.value)
         try:

@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     # Without keys the API serves anyone who reaches it: on loopback that is the laptop's own user,
     # anywhere else it must be the operator's explicit choice (api/auth.py, `open_api_refusal`).
     allow_no_auth: bool = False
-    # Outages (issue 4): how long the API gives an unreachable Redis or Postgres before it answers
+    # Outages: how long the API gives an unreachable Redis or Postgres before it answers
     # 503, and the `retry-after` it sends with it (the SDK honours up to 120 s, PROTOCOL.md §5.5).
     redis_timeout_seconds: float = Field(default=5.0, gt=0)
     database_connect_timeout_seconds: int = Field(default=5, ge=1)
@@ -67,18 +67,18 @@ class Settings(BaseSettings):
     # stays open with heartbeats, and both go on from where they were once Redis answers again.
     redis_outage_seconds: float = Field(default=60.0, ge=0)
 
-    # Limits on what one request may carry (issue 7): a body over max_body_bytes is refused with
+    # Limits on what one request may carry: a body over max_body_bytes is refused with
     # 413 before more of it is read; more input items than max_input_items with 400.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_input_items: int = Field(default=2048, ge=1)
     # How many responses may precede a new one through previous_response_id (a 400 past it): each
     # row holds its whole conversation, so an unbounded chain would grow rows without end.
     max_chain_depth: int = Field(default=1000, ge=1)
-    # Slow clients (issue 7): a request body must have arrived this long after its headers (408
+    # Slow clients: a request body must have arrived this long after its headers (408
     # otherwise), and an SSE write the client leaves untaken this long drops its stream.
     body_timeout_seconds: float = Field(default=30.0, gt=0)
     sse_write_timeout_seconds: float = Field(default=60.0, gt=0)
-    # Per-owner quotas (issue 7), kept in Redis so they bind every API replica together: requests a
+    # Per-owner quotas, kept in Redis so they bind every API replica together: requests a
     # minute, and event streams open at once (429 with `retry-after` past either; 0: no limit). Off
     # by default: no single number suits every deployment, and without RESPOOL_API_KEYS every
     # client is one owner, so a per-key limit would silently be a global one.
@@ -137,7 +137,7 @@ class Settings(BaseSettings):
     # every `batch_ms` (DESIGN.md §7): what arrives meanwhile goes in one round trip. A process whose
     # last round trip carried one response's appends, or brought one stream's events, goes at once:
     # this adds no wait to a lone stream. 20: at 30 streams of tokens 20 ms apart, 17% less CPU a
-    # token than 10, with the added gap p99 unchanged (issue 20; README, CPU cost).
+    # token than 10, with the added gap p99 unchanged (README, CPU cost).
     batch_ms: float = Field(default=20.0, ge=0, le=100)
     # A background response nobody follows live (no `stream`: its client polls) may end up to
     # `gather_ends_ms` after it finished, with the others that finish meanwhile: their ends go to

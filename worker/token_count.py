@@ -1,4 +1,4 @@
-"""Counting a request's input tokens (`POST /v1/responses/input_tokens`, issue 18), as exactly as the
+"""Counting a request's input tokens (`POST /v1/responses/input_tokens`), as exactly as the
 upstream lets us:
 
 - a Chat Completions upstream: its tokenizer, `POST <server>/tokenize` with the chat messages (and

@@ -97,7 +97,7 @@ class EmbeddedRedis:
 
     A unix socket, not loopback TCP, for respool's own connections: a command and its reply cross
     no TCP/IP stack (single commands in a loop: 28-33 µs of Redis's CPU each against 38, and a
-    third less of the client's; issue 20).
+    third less of the client's).
     """
 
     url: str

@@ -44,7 +44,7 @@ log = logging.getLogger("respool.events")
 # queue here (`ResponseQueue.finished`'s work: out of the held set, its queued key and its lease
 # gone) saves its worker a round trip at its end. A plain append (a token's, all but one of a
 # response's) names three keys and two arguments besides its events, not five and four: Redis's
-# CPU for it fell an eighth, measured alone (13.8 -> 12.0 µs a token; issue 20).
+# CPU for it fell an eighth, measured alone (13.8 -> 12.0 µs a token).
 _FENCED_APPEND = """
 local results = {}
 local at = 1
@@ -257,7 +257,7 @@ type _Append = tuple[Lease, list[Event], int, Leaving | None, Callable[[Outcome]
 
 
 # The script's answers for an append, as the outcomes they say (a lookup, not the enum's call: a
-# microsecond an append, issue 20).
+# microsecond an append).
 _OUTCOMES: dict[int, AppendResult] = {int(result): result for result in AppendResult}
 
 
@@ -362,7 +362,7 @@ class EventLog:
             except Exception:  # one writer's fault must not cost the rest of the batch their outcomes
                 log.exception("telling an append's outcome failed")
         # Counted here, where the outcomes are known, even if whoever awaited one was cancelled
-        # meanwhile; once a round trip, not once an append (a lock's round a token, issue 20).
+        # meanwhile; once a round trip, not once an append (a lock's round a token).
         if added and self._on_append is not None:
             self._on_append(added)
 

@@ -1,4 +1,4 @@
-"""Single statements on psycopg directly, from a pool of its own: the hot path's (issue 20); the
+"""Single statements on psycopg directly, from a pool of its own: the hot path's; the
 hottest of them on libpq itself (`Statement`, `run`).
 
 A response costs a few one-statement round trips to Postgres (the API's insert, the worker's start

@@ -1,4 +1,4 @@
-"""Compaction (issue 18, PROTOCOL.md §11): respool's own `compaction` items, sealed and expanded.
+"""Compaction (PROTOCOL.md §11): respool's own `compaction` items, sealed and expanded.
 
 A compaction item stands for the turns it replaced. respool makes one by asking the model for a
 summary (`worker.runner.summary`); what the item must give back later (the summary, and the messages it

@@ -1,4 +1,4 @@
-"""Webhooks (issue 19, DESIGN.md §12): what a background response's end tells its owner's endpoints,
+"""Webhooks (DESIGN.md §12): what a background response's end tells its owner's endpoints,
 and how a delivery is signed and retried. Pure: no I/O.
 
 - Events: `response.completed`, `response.failed`, `response.cancelled`, `response.incomplete`, one

@@ -179,7 +179,7 @@ async def _run_ahead(
     call starts without waiting for Postgres (DESIGN.md §2, step 2), and its row is not moved first:
     its end claims it, in the same statement that records it (`_finish`, fenced on no later attempt
     having claimed it and on the row being live), waiting for a row its create is still inserting.
-    One statement a response less (issue 20): a foreground row is `in_progress` from its insert; a
+    One statement a response less: a foreground row is `in_progress` from its insert; a
     background one says `queued` until its end, and a poll tells `in_progress` from the lease its
     worker holds (`ResponseService.retrieve`, PROTOCOL.md §7: in progress is a worker's lease).
 

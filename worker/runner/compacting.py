@@ -1,4 +1,4 @@
-"""Compaction inside a response (issue 18, PROTOCOL.md §11), on either kind of upstream.
+"""Compaction inside a response (PROTOCOL.md §11), on either kind of upstream.
 
 - Every turn is sent its conversation expanded (`compaction.expand`): a compaction item of
   respool's becomes what it keeps and its summary, and what came before a window is left out.

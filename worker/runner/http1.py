@@ -1,5 +1,5 @@
 """The upstream calls' own HTTP/1.1 transport for plain `http://` URLs: an asyncio protocol over
-httptools (llhttp, compiled: the parser aiohttp uses), on pooled keep-alive connections (issue 20).
+httptools (llhttp, compiled: the parser aiohttp uses), on pooled keep-alive connections.
 
 aiohttp's client, for each request, builds a URL, a header multidict, a request and a response object,
 runs its tracing and cookie hooks and times every read: 440 µs of a worker's CPU a short streamed
@@ -288,8 +288,8 @@ class Body(httpx2.AsyncByteStream):
 
     async def push(self, feed: Callable[[bytes], bool]) -> bool:
         """Hand the body's chunks to `feed` as they come, from the connection's own callback: no task
-        wakes up, and no future is made, for a chunk (a token, streamed), where a read a chunk took both
-        (issue 20). Until the body ends (True), or `feed` answers True (False: stop here; the rest of
+        wakes up, and no future is made, for a chunk (a token, streamed), where a read a chunk took both.
+        Until the body ends (True), or `feed` answers True (False: stop here; the rest of
         the answer is the caller's to drain or close), or raises (raised here); faults as `read`'s.
         No read timeout: the caller bounds the silence (worker/runner/upstream.py's `_Silence`)."""
         connection = self._connection

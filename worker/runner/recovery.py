@@ -52,7 +52,7 @@ def retention_seconds(settings: Settings) -> float:
 def rare_seconds(settings: Settings) -> float:
     """How often a worker's sweep looks for what only rarer failures leave (orphans, abandoned or
     expired deliveries): every fifth maintenance. Their statements were most of an idle worker's
-    CPU at every one (issue 20), and an orphan waits out a grace of 10 s or more anyway."""
+    CPU at every one, and an orphan waits out a grace of 10 s or more anyway."""
     return 5.0 * settings.maintenance_seconds
 
 

@@ -1,4 +1,4 @@
-"""Asking the model for a compaction's summary (issue 18): the one upstream call that both
+"""Asking the model for a compaction's summary: the one upstream call that both
 `POST /responses/compact` (in the API process, as `input_tokens` counts there) and a compaction
 inside a response (in the worker) make.
 

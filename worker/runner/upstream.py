@@ -10,7 +10,7 @@ asyncio protocol over llhttp (httptools) with a keep-alive pool: a short call's 
 against aiohttp's. Any other (TLS, a proxy's) goes on aiohttp's (`httpx-aiohttp`, as the SDK's own
 `DefaultAioHttpClient`): its connections, TLS, proxies and parsing (llhttp too). httpx2's own
 transport parses HTTP in Python, h11: reading 30 streams of tokens 20 ms apart cost 59 µs of CPU a
-token through it, 22 through aiohttp's (issue 20).
+token through it, 22 through aiohttp's.
 Its errors (`UpstreamError`, `TransientUpstreamError`) are drawn in worker/errors.py.
 
 Rules:
@@ -136,7 +136,7 @@ def _chat_choice_says(choice: Payload) -> bool:
 
 
 def _chat_ends(chunk: Payload) -> bool:
-    # A loop: `any` of a generator cost twice as much a token (issue 20).
+    # A loop: `any` of a generator cost twice as much a token.
     for choice in chunk.get("choices") or ():  # noqa: SIM110
         if choice.get("finish_reason"):
             return True
@@ -210,7 +210,7 @@ async def stream_into(
     """POST `body` to `route.base_url + path` and hand each SSE `data:` payload, as JSON, to `consume`,
     as it comes: on this module's own transport (worker/runner/http1.py), from the connection's own
     callback, so no task wakes up for a payload (a token): reading 30 streams of tokens 20 ms apart
-    cost 81 µs of CPU a token through a generator of payloads, 52 so (issue 20). The payloads of one
+    cost 81 µs of CPU a token through a generator of payloads, 52 so. The payloads of one
     read go together, in one call of `consume`: an answer that comes at once is one append.
 
     Transient faults before the first payload that carries output are retried under `policy` (the
@@ -373,7 +373,7 @@ def _outgoing(
 @lru_cache(maxsize=256)
 def _url(text: str) -> httpx2.URL:
     """An upstream URL, parsed once: a request built from the text parsed it each time, half of the
-    request's 24 µs (issue 20)."""
+    request's 24 µs."""
     return httpx2.URL(text)
 
 
@@ -381,7 +381,7 @@ async def _send(client: httpx2.AsyncClient, request: httpx2.Request) -> httpx2.R
     """A streamed upstream call sent on the client's transport itself (the one it mounted for the
     URL: a proxy's, where the environment names one). The client's own send wraps it in what no
     upstream call uses (auth flows, redirects, cookies, event hooks, a log line), which cost a third
-    of a short stream's CPU in the worker and 0.35 ms of its first token (issue 20)."""
+    of a short stream's CPU in the worker and 0.35 ms of its first token."""
     transport = client._transport_for_url(request.url)
     reply = await transport.handle_async_request(request)
     reply.request = request
@@ -394,7 +394,7 @@ async def _attempt(client: httpx2.AsyncClient, request: httpx2.Request | _Plain,
 
     The stall bound (the client's read timeout) is kept here, not by the transport: aiohttp's
     per-read timer is cancelled and set again at every chunk, a tenth of the upstream read's CPU
-    a token (issue 20); one timer a stream, set again only when it fires, bounds the silence alike.
+    a token; one timer a stream, set again only when it fires, bounds the silence alike.
     """
     stall = client.timeout.read
     if stall is not None and isinstance(request, httpx2.Request):
@@ -469,7 +469,7 @@ class _Reading:
         """Parse the body's next bytes; True once the reading should stop there: `data: [DONE]` came,
         or `consume` raised (`consumer_error`). Raises `UpstreamError` for a line that is not a JSON
         object, or an in-band error. The lines are split here, not by a layer of their own (a call a
-        chunk: issue 20): LF, CRLF or CR ends one, the SSE spec's three."""
+        chunk): LF, CRLF or CR ends one, the SSE spec's three."""
         silence = self.silence
         if silence is not None:
             silence.heard()
@@ -521,7 +521,7 @@ class _Silence:
     """Bounds the silence of one upstream call's body between chunks to `seconds` (None: unbounded),
     counted only while its reader waits for the next one, with one timer that is set again only when
     it fires: aiohttp's own per-read timer is cancelled and set again at every chunk, a tenth of the
-    upstream read's CPU a token (issue 20)."""
+    upstream read's CPU a token."""
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
@@ -570,7 +570,7 @@ class _Silence:
     async def _read_from(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes | None:
         """The next chunk of a body read straight from its transport (aiohttp's `readany`), None at
         its end: one call a chunk, where httpx's byte stream, aiohttp's chunk iterator and a generator
-        of chunks were three layers a token (issue 20). Its faults come as httpx's, as through the
+        of chunks were three layers a token. Its faults come as httpx's, as through the
         transport (`_map_httpx_error` reads both)."""
         try:
             chunk = await self.within(read())
@@ -640,7 +640,7 @@ def _is_identity(reply: httpx2.Response) -> bool:
 
 def _body(reply: httpx2.Response) -> AsyncIterator[bytes]:
     """The body's chunks, from the response's byte stream itself: httpx's line iterator stacks four
-    generators per chunk (raw, decoded, text, lines), each a hop a token (issue 20). A body sent
+    generators per chunk (raw, decoded, text, lines), each a hop a token. A body sent
     compressed is read through httpx's decoding."""
     if _is_identity(reply):
         return aiter(reply.stream)  # type: ignore[arg-type]  # an AsyncByteStream: the client is async

@@ -111,7 +111,7 @@ class ResponseWorker(BaseWorker):
         self._background = [
             self._submit(self._every(settings.heartbeat_seconds, self._heartbeat)),
             # Only while responses run: an idle worker's event loop woke four times a second for
-            # it, about a third of the CPU an idle worker costs (issue 20).
+            # it, about a third of the CPU an idle worker costs.
             self._submit(self._every(settings.cancel_poll_seconds, self._watch_cancels, while_running=True)),
             self._submit(self._every(settings.maintenance_seconds, self._sweep)),
         ]

@@ -1,4 +1,4 @@
-"""Per-owner quotas (issue 7), kept in Redis so that every API replica enforces the same ones: a
+"""Per-owner quotas, kept in Redis so that every API replica enforces the same ones: a
 request rate (`RESPOOL_RATE_LIMIT_PER_MINUTE`) and event streams open at once
 (`RESPOOL_MAX_STREAMS_PER_KEY`). Both are off (no Redis work at all) while their setting is 0.
 

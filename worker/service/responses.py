@@ -568,7 +568,7 @@ class ResponseService:
     ) -> AsyncIterator[Event | None]:
         """The response's events after `after`, up to its terminal event (PROTOCOL.md §6.3); of a
         finished response (`final`) what is stored, an `after` past its end being an empty stream.
-        A live one's are the tailer's own (no layer between them and the relay: issue 20).
+        A live one's are the tailer's own (no layer between them and the relay).
 
         Raises Redis's outage if Redis stays unreachable past RESPOOL_REDIS_OUTAGE_SECONDS meanwhile
         (a shorter outage only pauses it), or comes back without the stream: the relay's boundary

@@ -64,7 +64,7 @@ class Passthrough:
     """Where a follower's live events may be written as the tailer's read brings them (`write`:
     whether it wrote the event), set by the relay once it can write them so: then no task wakes up,
     and no queue takes or gives, for an event (a token), where each woke its relay's task, which
-    took it from its queue through the follower's generator to its write (issue 20).
+    took it from its queue through the follower's generator to its write.
 
     Only while the follower's task waits with nothing in its queue (else that would be written
     after what comes later), never its terminal event (the follower ends at it, its relay with
@@ -206,7 +206,7 @@ class Tailer:
         starts its output over (DESIGN.md §4, "Orphans"), which would take back what was relayed.
         A response its create followed at once (`is_new`) was marked at its enqueue: it is followed
         from its first event by the live tail alone, with no read before (a round trip less a
-        foreground create, issue 20). With a `passthrough`, live events may be written by it
+        foreground create). With a `passthrough`, live events may be written by it
         instead of yielded (`Passthrough`).
         """
         position = after
@@ -236,7 +236,7 @@ class Tailer:
                     yield event
                 return
             until = asyncio.get_running_loop().time() + self._finishing_seconds
-        # Live, in this generator itself: a generator of its own was a layer a token (issue 20).
+        # Live, in this generator itself: a generator of its own was a layer a token.
         subscriber = await self._subscribe(response_id, position)
         if position == after:  # nothing replayed: its cursor is the client's own (or none)
             subscriber.unseen = position
@@ -279,7 +279,7 @@ class Tailer:
         `follow` brings it. Its follow is closed here, at that event: a generator left to the collector
         is closed by a task of its own, that the loop's finalizer hook wakes the loop to start (an
         eventfd's write and read, a wake-up and a task each foreground request: paired, 0.905 of its
-        CPU at a background response's rate, issue 20)."""
+        CPU at a background response's rate)."""
         async with contextlib.aclosing(self.follow(response_id, is_new=is_new)) as events:
             async for event in events:
                 if event is not None and event.is_terminal:

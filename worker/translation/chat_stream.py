@@ -101,7 +101,7 @@ def translate_chunk(state: ChatStream, chunk: dict[str, Any]) -> list[EventBody]
     # respool never asks for n > 1, so the first choice is the only one.
     choice = choices[0]
     delta = choice.get("delta") or {}
-    # Each kind of delta only where the chunk has one (a token's chunk has one kind: issue 20).
+    # Each kind of delta only where the chunk has one (a token's chunk has one kind).
     events = _on_reasoning(state, delta) if "reasoning_content" in delta or "reasoning" in delta else []
     if delta.get("content"):
         events += _on_content(state, delta, choice.get("logprobs"))

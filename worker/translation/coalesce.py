@@ -39,7 +39,7 @@ def _same_part(first: EventBody, second: EventBody) -> bool:
     if kind != second["type"] or kind not in MERGEABLE:
         return False
     # As every translation writes them, the same keys: compared in place, in a loop (the sets and
-    # the generator below were 4% of a worker's CPU a token, issue 20; a generator here, half again).
+    # the generator below were 4% of a worker's CPU a token; a generator here, half again).
     if first.keys() == second.keys():
         for key, value in first.items():  # noqa: SIM110 (see above)
             if value != second[key] and key not in _JOINED:

@@ -115,7 +115,7 @@ def append_text(
     """A delta of `part_type` text in the open `item_type` item, opening item and part as needed."""
     if not text:
         return []
-    # A token's case first: the open part takes it as it is (issue 20: the general path's checks
+    # A token's case first: the open part takes it as it is (the general path's checks
     # and dicts were half this function's cost).
     events = (
         [] if _has_open_part(out.current, item_type, part_type) else _ensure_part(out, item_type, part_type)
