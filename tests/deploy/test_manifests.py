@@ -283,8 +283,10 @@ LONG_RUNNING = ["redis", "postgres", "api", "worker", "proxy", "vllm", "ollama"]
 
 
 def _readme_settings() -> set[str]:
-    """The RESPOOL_* names in the first cell of the README's configuration table's rows."""
-    rows = re.findall(r"^\| (`RESPOOL_[^|]*)\|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    """The RESPOOL_* names in the first cell of the rows of docs/configuration.md's table."""
+    rows = re.findall(
+        r"^\| (`RESPOOL_[^|]*)\|", (ROOT / "docs" / "configuration.md").read_text(), re.MULTILINE
+    )
     return {name for cell in rows for name in re.findall(r"`(RESPOOL_[A-Z_]+)`", cell)}
 
 
@@ -312,7 +314,7 @@ def _seconds_or_size(size: str) -> bool:
 
 
 def test_every_readme_setting_reaches_the_containers() -> None:
-    """Every setting of the README's table is a setting, and reaches every respool container without
+    """Every setting of docs/configuration.md's table is a setting, and reaches every respool container without
     editing a file: through respool.env in compose (an env_file, optional), through the `respool`
     ConfigMap or Secret in Kubernetes; the README says so."""
     documented = _readme_settings()
