@@ -121,9 +121,10 @@ class Leases:
         again."""
         if not leases:
             return [], []
+        flag = "1" if reclaim else ""
         async with self._redis.pipeline(transaction=False) as pipe:
             for lease in leases:
-                args = self._renew_args(lease, reclaim)
+                args: list[str | int] = [lease.value, self._ttl_ms, lease.attempt, flag]
                 await self._renew(keys=_renew_keys(lease), args=args, client=pipe)
             results = await pipe.execute()
         retaken = [lease for lease, kept in zip(leases, results, strict=True) if kept == 2]
@@ -134,13 +135,8 @@ class Leases:
     async def reclaim(self, lease: Lease) -> bool:
         """Renew `lease`, or take it again if it lapsed and no later attempt has started (an append
         found it gone after Redis was unreachable); False if it is lost."""
-        kept = await self._renew(keys=_renew_keys(lease), args=self._renew_args(lease, True))
-        if kept == 2:
-            log.info("response %s: lease taken again (attempt %d)", lease.response_id, lease.attempt)
-        return bool(kept)
-
-    def _renew_args(self, lease: Lease, reclaim: bool) -> list[str | int]:
-        return [lease.value, self._ttl_ms, lease.attempt, "1" if reclaim else ""]
+        lost, _ = await self.renew([lease], reclaim=True)
+        return not lost
 
     async def release(self, lease: Lease) -> None:
         """Give the lease up (a no-op if it is no longer ours)."""

@@ -24,6 +24,7 @@ from worker.connections import HeldConnection
 from worker.errors import FencedOutError
 from worker.events.lease import Lease, Leases
 from worker.keys import attempt_key, cancel_key, events_key, lease_key, observed_key
+from worker.outages import is_redis_outage
 from worker.protocol.response import TERMINAL_EVENTS
 
 log = logging.getLogger("respool.events")
@@ -289,7 +290,7 @@ class EventLog:
     ) -> None:
         self.redis = redis
         self._on_append = on_append  # told how many events each successful append added
-        self._on_outage = on_outage  # told of each round trip that failed
+        self._on_outage = on_outage  # told of each round trip Redis was unreachable for
         self._batch_seconds = batch_seconds
         self._next_at = 0.0  # the loop time before which no pipeline goes (under load)
         self._sha = hashlib.sha1(_FENCED_APPEND.encode()).hexdigest()
@@ -350,7 +351,7 @@ class EventLog:
                 results = await self._execute(batch, whole=True)
         except Exception as exc:  # the connection failed: every append in the batch did
             results = [exc] * len(batch)
-            if self._on_outage is not None:
+            if self._on_outage is not None and is_redis_outage(exc):
                 self._on_outage()
         added = 0
         for (_, events, _, _, done), result in zip(batch, results, strict=True):
